@@ -1,0 +1,178 @@
+"""LLMEngine: add requests, then step() = schedule -> run -> sample -> update, until all finish."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.kv_cache import KVCacheManager, blocks_needed
+from batchrun.engine.runner import ModelRunner
+from batchrun.engine.scheduler import Scheduler
+from batchrun.engine.sequence import Sequence, SeqStatus
+from batchrun.models.loader import ModelError, inspect_model
+from batchrun.outputs import RequestMetrics, RequestOutput, SamplingParams
+
+log = logging.getLogger("batchrun")
+
+
+class LLMEngine:
+    """One engine replica over one model. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any = None):
+        self.config = config
+        info = inspect_model(config.model)   # fails on a bad directory before any weight is read
+        if tokenizer is None:
+            from batchrun.tokenizer import Tokenizer
+            tokenizer = Tokenizer.from_dir(config.model)
+        self.tokenizer = tokenizer
+        max_len = config.max_model_len or info.max_model_len
+        if max_len > info.max_model_len:
+            raise ModelError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                             f"{info.max_model_len} ({config.model}/config.json)")
+        self.max_model_len = max_len
+        self.model_info = info
+        self.runner = ModelRunner(config, info, max_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
+        self._pending_errors: list[Sequence] = []
+        self._arrivals = 0
+        self._stats = {"steps": 0, "batched_tokens": 0, "prompt_tokens": 0, "output_tokens": 0,
+                       "requests": 0, "errors": 0}
+        ledger = self.runner.memory_ledger
+        log.info("memory ledger: weights %.1f MiB, KV %d B/token, %d blocks x %d tokens = %d tokens "
+                 "(%.1f MiB), %.2f sequences at max_model_len=%d",
+                 ledger["weights_bytes"] / 2**20, ledger["kv_bytes_per_token"], ledger["num_blocks"],
+                 ledger["block_size"], ledger["kv_tokens"], ledger["kv_bytes"] / 2**20,
+                 ledger["max_concurrency_at_max_model_len"], max_len)
+
+    @property
+    def memory_ledger(self) -> dict:
+        return self.runner.memory_ledger
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: Optional[str] = None) -> None:
+        """Queue a request. Row-level problems never raise: they finish as an error output."""
+        seq = Sequence(request_id, prompt_token_ids, params, prompt, self._arrivals)
+        self._arrivals += 1
+        self._stats["requests"] += 1
+        error = self._check(seq)
+        if error is not None:
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason, seq.error = "error", error
+            seq.finish_time = time.perf_counter()
+            self._pending_errors.append(seq)
+            return
+        if params.seed is not None and not params.greedy:
+            seq.generator = self.runner.make_generator(params.seed)
+        self.scheduler.add(seq)
+
+    def _check(self, seq: Sequence) -> Optional[str]:
+        n, p = seq.num_prompt_tokens, seq.params
+        if n == 0:
+            return "empty prompt"
+        vocab = self.model_info.config["vocab_size"]
+        if any(t < 0 or t >= vocab for t in seq.token_ids):
+            return f"prompt has token ids outside the vocabulary [0, {vocab})"
+        if n + p.max_tokens > self.max_model_len:
+            return (f"prompt of {n} tokens + max_tokens={p.max_tokens} exceeds "
+                    f"max_model_len={self.max_model_len}")
+        if blocks_needed(n + p.max_tokens, self.kv.block_size) > self.kv.num_blocks:
+            return (f"prompt of {n} tokens + max_tokens={p.max_tokens} needs more KV blocks than the "
+                    f"whole cache holds ({self.kv.num_blocks} x {self.kv.block_size} tokens)")
+        return None
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending_errors) or self.scheduler.has_unfinished()
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._pending_errors) + self.scheduler.num_unfinished()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns the requests that finished in it (text is None unless stop strings ran)."""
+        finished = self._pending_errors
+        self._pending_errors = []
+        sched = self.scheduler.schedule()
+        if sched:
+            now = time.perf_counter()
+            for e in sched.scheduled:
+                if e.seq.first_scheduled_time is None:
+                    e.seq.first_scheduled_time = now
+            sampled = self.runner.execute(sched)
+            for e in sched.scheduled:
+                e.seq.num_computed_tokens += e.num_new_tokens
+            now = time.perf_counter()
+            for e, token in sampled:
+                seq = e.seq
+                seq.token_ids.append(token)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq, token)
+                if reason:
+                    self.scheduler.finish(seq, reason)
+                    seq.finish_time = now
+                    finished.append(seq)
+            self.scheduler.remove_finished()
+            self._stats["steps"] += 1
+            self._stats["batched_tokens"] += sched.num_batched_tokens
+        return [self._output(s) for s in finished]
+
+    def _stop_reason(self, seq: Sequence, token: int) -> Optional[str]:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if p.stop and self._hit_stop_string(seq):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        p = seq.params
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        # only the tail can hold a new match: earlier text was checked on earlier steps
+        window = max(len(s) for s in p.stop) + 16
+        tail_start = max(0, len(text) - window)
+        best = None
+        for s in p.stop:
+            i = text.find(s, tail_start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        seq.text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
+        return True
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        if seq.finish_reason != "error":
+            self._stats["prompt_tokens"] += seq.num_prompt_tokens
+            self._stats["output_tokens"] += seq.num_output_tokens
+        else:
+            self._stats["errors"] += 1
+        t0 = seq.arrival_time
+        metrics = RequestMetrics(
+            prompt_tokens=seq.num_prompt_tokens, output_tokens=seq.num_output_tokens,
+            queued_s=(seq.first_scheduled_time or seq.finish_time or t0) - t0,
+            first_token_s=None if seq.first_token_time is None else seq.first_token_time - t0,
+            total_s=(seq.finish_time or t0) - t0)
+        return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
+                             prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+                             text=seq.text, token_ids=seq.output_token_ids,
+                             finish_reason=seq.finish_reason, error=seq.error, metrics=metrics)
+
+    @property
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        s["tokens_per_step"] = s["batched_tokens"] / s["steps"] if s["steps"] else 0.0
+        s["preemptions"] = self.scheduler.num_preemptions
+        s["peak_blocks_used"] = self.kv.pool.peak_used
+        s["num_blocks"] = self.kv.num_blocks
+        s["blocks_used"] = self.kv.pool.num_used
+        return s

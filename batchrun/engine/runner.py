@@ -1,0 +1,161 @@
+"""ModelRunner: owns the model weights and the KV tensors, turns a SchedulerOutput into one forward pass.
+
+A batch is flat: T tokens of B sequences, decodes (one query token) first, then prefill chunks.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+
+from batchrun.engine.attention import AttentionMetadata, TorchAttentionBackend
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.kv_cache import blocks_needed
+from batchrun.engine.sampler import sample
+from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
+from batchrun.models.llama import LlamaModel
+from batchrun.models.loader import ModelError, ModelInfo, load_weights
+from batchrun.models.rope import cos_sin_cache, rope_params
+
+log = logging.getLogger("batchrun")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, info: ModelInfo, max_model_len: int):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = info.torch_dtype(config.dtype)
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        try:
+            params = rope_params(info.config)
+        except ValueError as e:
+            raise ModelError(f"{info.path}/{e}") from e
+        arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[info.architecture]
+        with torch.device("meta"), _default_dtype(self.dtype):
+            model = LlamaModel(dict(info.config), arch, max_model_len)
+        model.to_empty(device=self.device)
+        model.cos_sin = cos_sin_cache(model.layers[0].self_attn.head_dim, params, max_model_len).to(self.device)
+        load_weights(model, info)
+        self.model = model.eval()
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.backend = TorchAttentionBackend()
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+        attn = model.layers[0].self_attn
+        self.kv_bytes_per_token = info.kv_bytes_per_token(self.dtype)
+        budget = self._kv_budget()
+        num_blocks = budget // (self.kv_bytes_per_token * self.block_size)
+        # more blocks than max_num_seqs full-length sequences can ever use is wasted memory
+        useful = config.max_num_seqs * blocks_needed(max_model_len, self.block_size)
+        self.num_blocks = int(min(num_blocks, useful))
+        if self.num_blocks < 1:
+            raise ModelError(f"KV cache budget of {budget} bytes holds no block of "
+                             f"{self.kv_bytes_per_token * self.block_size} bytes; raise kv_cache_memory")
+        self.kv_caches = torch.zeros(info.num_layers, 2, self.num_blocks, self.block_size,
+                                     attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory is not None:
+            return int(self.config.kv_cache_memory)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return max(0, int(total * self.config.gpu_memory_utilization) - (total - free))
+        return int(min(4 << 30, 0.25 * _available_host_memory()))
+
+    @property
+    def memory_ledger(self) -> dict:
+        kv_tokens = self.num_blocks * self.block_size
+        return {
+            "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "block_size": self.block_size, "num_blocks": self.num_blocks, "kv_tokens": kv_tokens,
+            "kv_bytes": kv_tokens * self.kv_bytes_per_token,
+            "max_model_len": self.max_model_len,
+            "max_concurrency_at_max_model_len": round(kv_tokens / self.max_model_len, 2),
+        }
+
+    def _prepare(self, entries: list[ScheduledSeq]):
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        qsl = [0]
+        lens: list[int] = []
+        max_blocks = max(len(e.seq.block_table) for e in entries)
+        tables = np.zeros((len(entries), max_blocks), dtype=np.int32)
+        for i, e in enumerate(entries):
+            seq, start, n = e.seq, e.seq.num_computed_tokens, e.num_new_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            bt = np.asarray(seq.block_table, dtype=np.int64)
+            tables[i, :len(bt)] = bt
+            pos = np.arange(start, end, dtype=np.int64)
+            positions.append(pos)
+            slots.append(bt[pos // bs] * bs + pos % bs)
+            qsl.append(qsl[-1] + n)
+            lens.append(end)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            num_decodes=sum(1 for e in entries if e.num_new_tokens == 1),
+            max_query_len=max(e.num_new_tokens for e in entries),
+            max_seq_len=max(lens), query_start_loc_host=qsl, seq_lens_host=lens)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        return input_ids, pos_t, meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
+        """Run one step; returns (entry, sampled token) for each entry that reaches its sequence's end."""
+        entries = sorted(out.scheduled, key=lambda e: e.num_new_tokens != 1)  # stable: decodes first
+        input_ids, positions, meta = self._prepare(entries)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        sampling = [i for i, e in enumerate(entries) if e.samples]
+        if not sampling:
+            return []
+        last = torch.tensor([meta.query_start_loc_host[i + 1] - 1 for i in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[last])
+        seqs = [entries[i].seq for i in sampling]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                        self.default_generator).tolist()   # the step's one host sync
+        return [(entries[i], t) for i, t in zip(sampling, tokens)]
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)

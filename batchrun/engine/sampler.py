@@ -1,0 +1,58 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+
+Non-greedy rows sample by the exponential race argmax(p / E), E ~ Exp(1): a seeded row draws E
+from its own generator, so its tokens do not depend on what else shares the batch.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence as Seq
+
+import torch
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+            need_sort: bool, need_min_p: bool) -> torch.Tensor:
+    # logits: [S, V] already divided by temperature; returns logits with filtered entries at -inf
+    if need_sort:
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        V = logits.shape[-1]
+        rank = torch.arange(V, device=logits.device)[None, :]
+        k = torch.where(top_k > 0, top_k, V)[:, None]
+        drop = rank >= k
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
+        cum = probs.cumsum(dim=-1) - probs
+        drop |= cum >= top_p[:, None]
+        drop[:, 0] = False
+        logits = torch.full_like(logits, float("-inf")).scatter(
+            -1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    if need_min_p:
+        probs = logits.softmax(dim=-1)
+        keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: Seq, generators: Seq[Optional[torch.Generator]],
+           default_generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """logits [S, V] float32, one SamplingParams and one generator (or None) per row -> token ids [S]."""
+    greedy = [p.temperature == 0.0 for p in params]
+    tokens = logits.argmax(dim=-1)
+    if all(greedy):
+        return tokens
+    rows = [i for i, g in enumerate(greedy) if not g]
+    dev = logits.device
+    sub = logits[rows]
+    temp = torch.tensor([params[i].temperature for i in rows], device=dev, dtype=sub.dtype)
+    top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
+    top_p = torch.tensor([params[i].top_p for i in rows], device=dev, dtype=sub.dtype)
+    min_p = torch.tensor([params[i].min_p for i in rows], device=dev, dtype=sub.dtype)
+    need_sort = any(params[i].top_k > 0 or params[i].top_p < 1.0 for i in rows)
+    need_min_p = any(params[i].min_p > 0.0 for i in rows)
+    sub = _filter(sub / temp[:, None], top_k, top_p, min_p, need_sort, need_min_p)
+    probs = sub.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(rows):
+        noise[j].exponential_(generator=generators[i] if generators[i] is not None else default_generator)
+    tokens[rows] = (probs / noise).argmax(dim=-1)
+    return tokens

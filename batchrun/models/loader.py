@@ -1,0 +1,180 @@
+"""Reads an HF model directory: config.json checks (before any weight is touched) and safetensors loading.
+
+HF tensor names are mapped onto models/llama.py's fused layout: q/k/v -> qkv_proj, gate/up -> gate_up_proj.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
+          "float": torch.float32}
+
+
+class ModelError(ValueError):
+    """A model directory that cannot be served; the message names the file or key."""
+
+
+@dataclass
+class ModelInfo:
+    path: str
+    architecture: str
+    config: dict[str, Any]
+    weight_files: list[str]
+    num_params: int
+    weights_bytes: int          # on disk
+    max_model_len: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def torch_dtype(self, dtype: str = "auto") -> torch.dtype:
+        if dtype == "auto":
+            dtype = self.config.get("dtype") or self.config.get("torch_dtype") or "float32"
+        if dtype not in DTYPES:
+            raise ModelError(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
+        return DTYPES[dtype]
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path}: not valid JSON ({e})") from e
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelError(f"{index}: no 'weight_map'")
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+        if missing:
+            raise ModelError(f"{index} names shards that are missing: {', '.join(missing)}")
+        return [os.path.join(path, f) for f in files]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if shards:
+        return [os.path.join(path, f) for f in shards]
+    pickles = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+    if pickles:
+        raise ModelError(
+            f"{path}: only pickle checkpoints found ({', '.join(pickles)}); batchrun loads safetensors only, "
+            "because pickle files can run arbitrary code. Convert with transformers: "
+            "model.save_pretrained(dir, safe_serialization=True)")
+    raise ModelError(f"{path}: no *.safetensors weights found")
+
+
+def _count_params(files: list[str]) -> int:
+    from safetensors import safe_open
+    total = 0
+    for f in files:
+        with safe_open(f, framework="pt") as sf:  # reads the header only
+            for name in sf.keys():
+                n = 1
+                for d in sf.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+def inspect_model(path: str) -> ModelInfo:
+    """Validate a model directory from config.json and safetensors headers alone (no weight is read)."""
+    if not os.path.isdir(path):
+        raise ModelError(f"model path {path!r} is not a directory")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ModelError(f"{cfg_path}: missing (an HF model directory needs config.json)")
+    cfg = _read_json(cfg_path)
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelError(
+            f"{cfg_path}: architectures {archs or '(none)'} not supported; batchrun serves "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        if not isinstance(cfg.get(key), int):
+            raise ModelError(f"{cfg_path}: key {key!r} missing or not an integer")
+    files = _weight_files(path)
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return ModelInfo(
+        path=path, architecture=arch, config=cfg, weight_files=files,
+        num_params=_count_params(files), weights_bytes=sum(os.path.getsize(f) for f in files),
+        max_model_len=int(cfg.get("max_position_embeddings") or 2048),
+        num_layers=cfg["num_hidden_layers"], num_kv_heads=kv_heads, head_dim=head_dim)
+
+
+def _fused_name(name: str) -> tuple[str, int | None]:
+    """HF name -> (our name, shard index within a fused tensor or None)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    for i, part in enumerate(("q_proj", "k_proj", "v_proj")):
+        if f"self_attn.{part}." in name:
+            return name.replace(f"self_attn.{part}.", "self_attn.qkv_proj."), i
+    for i, part in enumerate(("gate_proj", "up_proj")):
+        if f"mlp.{part}." in name:
+            return name.replace(f"mlp.{part}.", "mlp.gate_up_proj."), i
+    return name, None
+
+
+def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def load_weights(model: torch.nn.Module, info: ModelInfo) -> None:
+    """Copy safetensors weights into `model` (already built on its device and dtype), fusing q/k/v and gate/up."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, tensor in iter_weights(info.weight_files):
+        if "rotary_emb.inv_freq" in hf_name:
+            continue
+        name, shard = _fused_name(hf_name)
+        if name == "lm_head.weight" and model.tie_word_embeddings:
+            continue  # tied: the head reads embed_tokens
+        if name not in params:
+            raise ModelError(f"{info.path}: unexpected tensor {hf_name!r} for {info.architecture}")
+        param = params[name]
+        if shard is None:
+            dst = param.data
+        else:
+            dst = param.data.narrow(0, *model.shard_range(name, shard))
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ModelError(f"{info.path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)} from config.json")
+        dst.copy_(tensor)
+        loaded.add(f"{name}#{shard}")
+    expected = set()
+    for name in params:
+        shards = model.num_shards(name)
+        expected.update({f"{name}#{i}" for i in range(shards)} if shards else {f"{name}#None"})
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelError(f"{info.path}: weights missing from the checkpoint: {', '.join(missing[:5])}"
+                         + (" ..." if len(missing) > 5 else ""))
