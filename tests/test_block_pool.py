@@ -1,0 +1,55 @@
+"""Block pool and KV-cache manager: exact block ids and ref counts (plain Python, no torch)."""
+import pytest
+
+from batchrun.engine.kv_cache import BlockPool, KVCacheManager, NoFreeBlocks, blocks_needed
+from batchrun.engine.sequence import Sequence
+
+
+def test_allocate_free_exact_ids_and_counts():
+    pool = BlockPool(4)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.ref_counts == [1, 1, 0, 0]
+    assert (pool.num_free, pool.num_used, pool.peak_used) == (2, 2, 2)
+    pool.incref([1])
+    assert pool.ref_counts == [1, 2, 0, 0]
+    pool.free([0, 1])
+    assert pool.ref_counts == [0, 1, 0, 0]
+    assert pool.num_free == 3            # block 1 still referenced
+    assert pool.allocate(3) == [2, 3, 0]  # FIFO reuse: freshly freed block 0 goes last
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(1)
+    pool.free([1, 2, 3, 0])
+    assert pool.num_free == 4 and pool.ref_counts == [0, 0, 0, 0]
+    assert pool.peak_used == 4
+
+
+def test_double_free_and_incref_of_free_block_are_errors():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.free([b])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([b])
+    with pytest.raises(ValueError, match="incref of free block"):
+        pool.incref([b])
+
+
+def test_manager_grows_tables_by_block_and_frees_all():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a, b = Sequence("a", [1] * 5, None), Sequence("b", [1] * 4, None)
+    assert kv.num_new_blocks(a, 5) == 2
+    kv.allocate(a, 5)
+    kv.allocate(b, 4)
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    kv.allocate(a, 8)                    # still fits in 2 blocks
+    assert a.block_table == [0, 1]
+    kv.allocate(a, 9)
+    assert a.block_table == [0, 1, 3]
+    kv.free(a)
+    kv.free(b)
+    assert a.block_table == [] and kv.pool.num_free == 8
+    assert kv.pool.ref_counts == [0] * 8
+
+
+@pytest.mark.parametrize("n,bs,want", [(0, 16, 0), (1, 16, 1), (16, 16, 1), (17, 16, 2), (33, 8, 5)])
+def test_blocks_needed(n, bs, want):
+    assert blocks_needed(n, bs) == want
