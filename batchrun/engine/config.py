@@ -17,7 +17,11 @@ class EngineConfig:
     max_model_len: longest prompt + output; default from config.json.
     kv_cache_memory: bytes for the KV cache on CPU (default: a share of free RAM).
     gpu_memory_utilization: share of GPU memory the engine may use (CUDA only).
-    swap_space: GiB of host memory for swapped-out KV blocks.
+    swap_space: GiB of host memory for swapped-out KV blocks (0 disables swapping).
+    preemption_mode: "swap" (swap out when worth it and the host pool has room, else recompute)
+        or "recompute" (always drop the KV and recompute, as vLLM V1 does).
+    swap_min_tokens: sequences with fewer computed tokens are recomputed rather than swapped
+        (recomputing a short sequence is cheaper than two copies; see scripts/bench_swap.py).
     enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
     speculative_config: {"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_max": n_max, "prompt_lookup_min": n_min} or None.
@@ -35,6 +39,8 @@ class EngineConfig:
     kv_cache_memory: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0
+    preemption_mode: str = "swap"
+    swap_min_tokens: int = 32
     enable_prefix_caching: bool = False
     speculative_config: Optional[dict[str, Any]] = None
     enforce_eager: bool = False
@@ -52,5 +58,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.preemption_mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

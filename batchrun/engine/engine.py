@@ -6,7 +6,7 @@ import time
 from typing import Any, Optional
 
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.kv_cache import KVCacheManager, blocks_needed
+from batchrun.engine.kv_cache import BlockPool, KVCacheManager, blocks_needed
 from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
@@ -33,8 +33,10 @@ class LLMEngine:
         self.max_model_len = max_len
         self.model_info = info
         self.runner = ModelRunner(config, info, max_len)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        host_pool = BlockPool(self.runner.num_host_blocks) if self.runner.num_host_blocks else None
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   host_pool=host_pool, swap_min_tokens=config.swap_min_tokens)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         self._pending_errors: list[Sequence] = []
         self._arrivals = 0
@@ -107,6 +109,7 @@ class LLMEngine:
             sampled = self.runner.execute(sched)
             for e in sched.scheduled:
                 e.seq.num_computed_tokens += e.num_new_tokens
+                self.kv.publish_full_blocks(e.seq)
             now = time.perf_counter()
             for e, token in sampled:
                 seq = e.seq
@@ -175,4 +178,11 @@ class LLMEngine:
         s["peak_blocks_used"] = self.kv.pool.peak_used
         s["num_blocks"] = self.kv.num_blocks
         s["blocks_used"] = self.kv.pool.num_used
+        sch = self.scheduler
+        s["swapped_out_blocks"] = sch.swapped_out_blocks
+        s["swapped_in_blocks"] = sch.swapped_in_blocks
+        s["recomputed_tokens"] = sch.recomputed_tokens
+        s["prefix_cache_queries"] = self.kv.prefix_queries
+        s["prefix_cache_hits"] = self.kv.prefix_hits
+        s["prefix_cache_hit_rate"] = self.kv.prefix_hits / self.kv.prefix_queries if self.kv.prefix_queries else 0.0
         return s

@@ -1,26 +1,42 @@
-"""KV-cache bookkeeping (plain Python, no torch): the block pool with reference counts.
+"""KV-cache bookkeeping (plain Python, no torch): block pool, ref counts, prefix-cache hashes, host swap pool.
 
 The tensors live in the runner; this module only decides which block ids a sequence owns.
+
+Prefix caching: a full block is keyed by (parent block's key hash, its tokens). A hit is accepted only
+when the cached block's recorded parent is the block matched just before it, so a hash collision can
+never splice foreign K/V into a sequence. Freed blocks keep their key and stay matchable until
+evicted, least recently freed first. Blocks with ref count > 1 are shared and never written: only
+blocks past a sequence's last cache hit are ever written.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import Hashable, Optional
 
 
 class NoFreeBlocks(RuntimeError):
     pass
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
 class BlockPool:
-    """Fixed pool of `num_blocks` block ids. A block is free when its ref count is 0."""
+    """Fixed pool of `num_blocks` ids. A block with ref count 0 is free (and evictable if cached)."""
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
         self.peak_used = 0
+        # prefix cache
+        self.block_key: list[Optional[Hashable]] = [None] * num_blocks
+        self.block_parent: list[int] = [-1] * num_blocks
+        self.cached: dict[Hashable, int] = {}
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -33,9 +49,15 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
-        ids = [self._free.popleft() for _ in range(n)]
-        for b in ids:
+        ids = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            if self.block_key[b] is not None:       # evict its cached content
+                del self.cached[self.block_key[b]]
+                self.block_key[b] = None
+                self.evictions += 1
             self.ref_counts[b] = 1
+            ids.append(b)
         self.peak_used = max(self.peak_used, self.num_used)
         return ids
 
@@ -46,26 +68,50 @@ class BlockPool:
             self.ref_counts[b] += 1
 
     def free(self, ids: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching 0 return to the free pool (LIFO-reuse is avoided)."""
+        """Drop one reference to each block; a block reaching 0 joins the free pool's most-recent end."""
         for b in ids:
             rc = self.ref_counts[b]
             if rc <= 0:
                 raise ValueError(f"double free of block {b}")
             self.ref_counts[b] = rc - 1
             if rc == 1:
-                self._free.append(b)
+                self._free[b] = None
 
+    # -- prefix cache ------------------------------------------------------------------------
+    def lookup(self, key: Hashable, parent: int) -> Optional[int]:
+        b = self.cached.get(key)
+        if b is None or self.block_parent[b] != parent:
+            return None
+        return b
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+    def take_cached(self, b: int) -> None:
+        """Add a reference to cached block b, reviving it from the free pool if needed."""
+        if self.ref_counts[b] == 0:
+            del self._free[b]
+            self.peak_used = max(self.peak_used, self.num_used)
+        self.ref_counts[b] += 1
+
+    def register(self, b: int, key: Hashable, parent: int) -> None:
+        """Publish full block b under key, unless an identical block is already published."""
+        if key in self.cached or self.block_key[b] is not None:
+            return
+        self.cached[key] = b
+        self.block_key[b] = key
+        self.block_parent[b] = parent
+
+    def num_free_among(self, ids: list[int]) -> int:
+        return sum(1 for b in ids if self.ref_counts[b] == 0)
 
 
 class KVCacheManager:
-    """Grows and releases the block tables of sequences over one BlockPool."""
+    """Grows and releases the block tables of sequences over one BlockPool, with optional prefix caching."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_queries = 0      # prompt tokens looked up
+        self.prefix_hits = 0         # prompt tokens served from cache
 
     @property
     def num_blocks(self) -> int:
@@ -84,6 +130,53 @@ class KVCacheManager:
             seq.block_table.extend(self.pool.allocate(n))
 
     def free(self, seq) -> None:
-        # free newest blocks first so the oldest (likely shared prefix) blocks are reused last
+        # newest blocks first, so a prefix's tail is evicted before its head
         self.pool.free(list(reversed(seq.block_table)))
         seq.block_table = []
+        seq.block_keys = []
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def _key(self, parent_key: Optional[Hashable], seq, i: int) -> Hashable:
+        bs = self.block_size
+        return (hash(parent_key), tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def match_prefix(self, seq) -> tuple[list[int], list[Hashable]]:
+        """Cached blocks (and their keys) of seq's longest cached prefix, leaving >= 1 token to compute."""
+        if not self.enable_prefix_caching:
+            return [], []
+        keys: list[Hashable] = []
+        hits: list[int] = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            key = self._key(keys[-1] if keys else None, seq, i)
+            b = self.pool.lookup(key, hits[-1] if hits else -1)
+            if b is None:
+                break
+            keys.append(key)
+            hits.append(b)
+        return hits, keys
+
+    def adopt_prefix(self, seq, hits: list[int], keys: list[Hashable]) -> None:
+        """Give seq (with an empty table) the blocks match_prefix found."""
+        for b in hits:
+            self.pool.take_cached(b)
+        seq.block_table = list(hits)
+        seq.block_keys = list(keys)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_output_tokens == 0:   # count prompts, not recomputations after preemption
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += seq.num_computed_tokens
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def publish_full_blocks(self, seq) -> None:
+        """Register the blocks that became full of computed tokens in this step."""
+        if not self.enable_prefix_caching:
+            return
+        pool = self.pool
+        for i in range(len(seq.block_keys), seq.num_computed_tokens // self.block_size):
+            parent_key = seq.block_keys[i - 1] if i else None
+            # chain to the published copy of the parent (ours, or an identical block that won the race)
+            parent = -1 if i == 0 else pool.cached.get(parent_key, -2)
+            key = self._key(parent_key, seq, i)
+            seq.block_keys.append(key)
+            if parent != -2:
+                pool.register(seq.block_table[i], key, parent)

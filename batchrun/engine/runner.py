@@ -84,8 +84,19 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ModelError(f"KV cache budget of {budget} bytes holds no block of "
                              f"{self.kv_bytes_per_token * self.block_size} bytes; raise kv_cache_memory")
-        self.kv_caches = torch.zeros(info.num_layers, 2, self.num_blocks, self.block_size,
-                                     attn.num_kv_heads, attn.head_dim, dtype=self.dtype, device=self.device)
+        shape = (info.num_layers, 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # host pool for swapped-out blocks: pinned on CUDA so copies run asynchronously
+        host_blocks = 0
+        if config.preemption_mode == "swap":
+            host_blocks = int(config.swap_space * 2**30) // (self.kv_bytes_per_token * self.block_size)
+            host_blocks = min(host_blocks, useful)
+        self.num_host_blocks = host_blocks
+        self.host_kv = None
+        if host_blocks:
+            pin = self.device.type == "cuda"
+            self.host_kv = torch.zeros((*shape[:2], host_blocks, *shape[3:]), dtype=self.dtype,
+                                       device="cpu", pin_memory=pin)
 
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -106,6 +117,7 @@ class ModelRunner:
             "kv_bytes": kv_tokens * self.kv_bytes_per_token,
             "max_model_len": self.max_model_len,
             "max_concurrency_at_max_model_len": round(kv_tokens / self.max_model_len, 2),
+            "host_swap_blocks": self.num_host_blocks,
         }
 
     def _prepare(self, entries: list[ScheduledSeq]):
@@ -141,9 +153,30 @@ class ModelRunner:
         pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
         return input_ids, pos_t, meta
 
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Batched block copies, one gather/scatter per direction.
+
+        In before out: the scheduler swaps in before it preempts, so a host block freed by a swap-in
+        may be reused by a swap-out (and a just-swapped-in sequence may be swapped out again).
+        Both run before the forward, which may write the device blocks a swap-out freed.
+        """
+        if swap_in:
+            host = torch.tensor([h for h, _ in swap_in])
+            dev = torch.tensor([d for _, d in swap_in], device=self.device)
+            blocks = self.host_kv.index_select(2, host).to(self.device, non_blocking=True)
+            self.kv_caches.index_copy_(2, dev, blocks)
+        if swap_out:
+            dev = torch.tensor([d for d, _ in swap_out], device=self.device)
+            host = torch.tensor([h for _, h in swap_out])
+            self.host_kv.index_copy_(2, host, self.kv_caches.index_select(2, dev).to("cpu"))
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
         """Run one step; returns (entry, sampled token) for each entry that reaches its sequence's end."""
+        if out.swap_out or out.swap_in:
+            self.swap(out.swap_out, out.swap_in)
+        if not out.scheduled:
+            return []
         entries = sorted(out.scheduled, key=lambda e: e.num_new_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = self._prepare(entries)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)

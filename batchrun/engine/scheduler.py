@@ -1,9 +1,11 @@
-"""Continuous batching with chunked prefill and preemption (plain Python, no torch).
+"""Continuous batching with chunked prefill, prefix-cache admission and preemption (plain Python, no torch).
 
 Every step each running sequence's computed tokens catch up towards its total under one token
 budget: a decode needs 1, a prefill takes what is left of the budget (a chunk). There are no
-separate prefill and decode phases. Running sequences are served oldest first; when blocks run
-out the newest running sequence is preempted and recomputed later.
+separate prefill and decode phases. Running sequences are served oldest first; when device blocks
+run out the newest running sequence is preempted: swapped out to the host pool when it is long
+enough to be worth copying and the host pool has room, recomputed otherwise. Swapped sequences
+come back before any new request is admitted.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from batchrun.engine.kv_cache import KVCacheManager
+from batchrun.engine.kv_cache import BlockPool, KVCacheManager
 from batchrun.engine.sequence import Sequence, SeqStatus
 
 
@@ -30,38 +32,48 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     def __bool__(self) -> bool:
-        return bool(self.scheduled)
+        return bool(self.scheduled or self.swap_out or self.swap_in)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, host_pool: Optional[BlockPool] = None,
+                 swap_min_tokens: int = 0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = int(watermark * kv.num_blocks)
+        self.host_pool = host_pool
+        self.swap_min_tokens = swap_min_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+        self.recomputed_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._swap_in(out)
         budget = self.max_num_batched_tokens
         kv = self.kv
         i = 0
@@ -72,8 +84,7 @@ class Scheduler:
             preempted_self = False
             while need > kv.pool.num_free:
                 victim = self.running.pop()          # newest; never one already scheduled (index < i)
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is seq:
                     preempted_self = True
                     break
@@ -84,30 +95,80 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # admit new work only when nothing had to give way this step
-        while (not out.preempted and self.waiting and budget > 0
+        # admit new work only when nothing had to give way and nothing waits to swap back in
+        while (not out.preempted and not self.swapped and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = kv.num_new_blocks(seq, seq.num_computed_tokens + n)
+            seq = self.waiting[0]                        # its table is empty: preemption freed it
+            hits, keys = kv.match_prefix(seq)
+            if kv.enable_prefix_caching and self._prefix_in_flight(seq, len(hits)):
+                break       # its prefix is being computed right now: wait a step and reuse it
+            start = len(hits) * kv.block_size
+            n = min(seq.num_tokens - start, budget)
+            need = kv.num_new_blocks(seq, start + n) - len(hits)
+            need += kv.pool.num_free_among(hits)         # revived cached blocks leave the free pool too
             reserve = self.watermark_blocks if self.running else 0
             if not kv.can_allocate(need, reserve):
                 break
             self.waiting.popleft()
-            kv.allocate(seq, seq.num_computed_tokens + n)
+            if hits:
+                kv.adopt_prefix(seq, hits, keys)
+            kv.allocate(seq, start + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _prefix_in_flight(self, seq: Sequence, num_hits: int) -> bool:
+        """True when a running sequence is still prefilling the next block seq would have hit."""
+        bs = self.kv.block_size
+        if (seq.num_tokens - 1) // bs <= num_hits:
+            return False
+        hi = (num_hits + 1) * bs
+        for other in self.running:
+            if (other.num_computed_tokens < hi <= other.num_prompt_tokens
+                    and other.token_ids[:hi] == seq.token_ids[:hi]):
+                return True
+        return False
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        kv = self.kv
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            n = len(seq.host_blocks)
+            # room for its blocks plus the block its next token may open
+            if not kv.can_allocate(n + 1):
+                break
+            self.swapped.popleft()
+            dev = kv.pool.allocate(n)
+            out.swap_in.extend(zip(seq.host_blocks, dev))
+            self.host_pool.free(seq.host_blocks)
+            self.swapped_in_blocks += n
+            seq.host_blocks = []
+            seq.block_table = dev
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+        n = len(seq.block_table)
+        host = self.host_pool
+        if (host is not None and seq.num_computed_tokens >= self.swap_min_tokens
+                and n <= host.num_free):
+            seq.host_blocks = host.allocate(n)
+            out.swap_out.extend(zip(seq.block_table, seq.host_blocks))
+            self.swapped_out_blocks += n
+            self.kv.free(seq)                 # copied out before this step's forward reuses them
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.appendleft(seq)
+            return
         # recompute: drop the KV, keep the tokens; it re-prefills prompt + output when readmitted
+        self.recomputed_tokens += seq.num_computed_tokens
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
         """Mark `seq` finished and release its blocks; call remove_finished() once per step after."""
@@ -116,12 +177,15 @@ class Scheduler:
         seq.error = error
         if seq.block_table:
             self.kv.free(seq)
+        if seq.host_blocks:
+            self.host_pool.free(seq.host_blocks)
+            seq.host_blocks = []
 
     def remove_finished(self) -> None:
         self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
 
     def abort(self, request_id: str) -> Optional[Sequence]:
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self.swapped):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)

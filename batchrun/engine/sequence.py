@@ -17,7 +17,8 @@ class Sequence:
     __slots__ = ("request_id", "prompt", "token_ids", "num_prompt_tokens", "params", "status",
                  "num_computed_tokens", "block_table", "finish_reason", "error", "text",
                  "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
-                 "generator", "num_cached_tokens", "spec", "arrival_index")
+                 "generator", "num_cached_tokens", "spec", "arrival_index", "block_keys",
+                 "host_blocks")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any,
                  prompt: Optional[str] = None, arrival_index: int = 0):
@@ -29,6 +30,8 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.num_computed_tokens = 0        # tokens whose K/V are in the cache
         self.block_table: list[int] = []
+        self.block_keys: list = []          # prefix-cache keys of the full blocks in block_table
+        self.host_blocks: list[int] = []    # block ids in the host pool while swapped out
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
         self.text: Optional[str] = None     # set when stop strings were checked
