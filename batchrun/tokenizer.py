@@ -5,7 +5,8 @@ token ids and rendered chats the engine sees are the ones a user gets from trans
 importing transformers:
 
 - named special tokens from tokenizer_config.json are registered as special added tokens;
-- an explicit `add_bos_token` / `add_eos_token` in tokenizer_config.json rebuilds the post-processor;
+- tokenizer.json's post-processor alone decides which special tokens encode() adds (transformers 5 drops
+  tokenizer_config's add_bos_token/add_eos_token when tokenizer.json exists);
 - chat templates render in a sandboxed, immutable jinja2 environment with trim_blocks/lstrip_blocks,
   `raise_exception`, `strftime_now`, a non-HTML-escaping `tojson`, and the special tokens as variables.
 """
@@ -17,7 +18,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any, Optional
 
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
 # transformers' named special-token attributes, in its order (also the template variables they become)
@@ -115,8 +116,6 @@ def _plain(value: Any) -> Any:
     """
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):
@@ -206,9 +205,9 @@ def _clean_up_spaces(text: str) -> str:
 class Tokenizer:
     """tokenizer.json + tokenizer_config.json + chat template, as transformers would load them.
 
-    `vocab_size` counts added tokens (transformers' `len(tokenizer)`). `add_bos_token` is tokenizer_config's
-    value when it sets one (then it also governs encoding, as in transformers), otherwise whether the
-    tokenizer.json post-processor prepends BOS. Encoding/decoding methods are thread-safe.
+    `vocab_size` counts added tokens (transformers' `len(tokenizer)`). `add_bos_token` is whether
+    encode(add_special_tokens=True) prepends BOS, as the tokenizer.json post-processor decides.
+    Encoding/decoding methods are thread-safe.
     """
 
     def __init__(self, tokenizer: _HFTokenizer, config: Optional[dict] = None, *, path: str = "<memory>",
@@ -243,10 +242,8 @@ class Tokenizer:
         self.eos_token_id: Optional[int] = self.token_to_id(self.eos_token)
         self.pad_token_id: Optional[int] = self.token_to_id(self.pad_token)
 
-        if "add_bos_token" in config or "add_eos_token" in config:
-            # transformers rebuilds the post-processor from these flags when the config sets either one
-            self._set_post_processor(bool(config.get("add_bos_token", False)),
-                                     bool(config.get("add_eos_token", False)))
+        # transformers' from_pretrained ignores add_bos_token/add_eos_token when tokenizer.json exists: the
+        # post-processor decides. add_bos_token reports what it does, so callers can avoid a double BOS.
         self.add_bos_token: bool = bool(self.bos_token_id is not None
                                         and self._tok.encode("", add_special_tokens=True).ids[:1]
                                         == [self.bos_token_id])
@@ -326,15 +323,6 @@ class Tokenizer:
             return {t["name"]: t["template"] for t in value}
         raise TokenizerError(f"{source}: chat_template must be a string or a list of "
                              f"{{'name': ..., 'template': ...}} objects")
-
-    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        bos, eos = self.bos_token, self.eos_token
-        add_bos = add_bos and bos is not None and self.bos_token_id is not None
-        add_eos = add_eos and eos is not None and self.eos_token_id is not None
-        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-        special = ([(bos, self.bos_token_id)] if add_bos else []) + ([(eos, self.eos_token_id)] if add_eos else [])
-        self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
     # -- vocabulary --------------------------------------------------------------------------
     @property

@@ -10,6 +10,7 @@ from batchrun.engine.kv_cache import BlockPool, KVCacheManager, blocks_needed
 from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
+from batchrun.engine.speculative import NgramProposer, SeqSpecState, SpecConfig
 from batchrun.models.loader import ModelError, inspect_model
 from batchrun.outputs import RequestMetrics, RequestOutput, SamplingParams
 
@@ -38,10 +39,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    host_pool=host_pool, swap_min_tokens=config.swap_min_tokens)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
+        self.spec_config = SpecConfig.from_dict(config.speculative_config)
+        self.proposer = NgramProposer(self.spec_config) if self.spec_config else None
         self._pending_errors: list[Sequence] = []
         self._arrivals = 0
         self._stats = {"steps": 0, "batched_tokens": 0, "prompt_tokens": 0, "output_tokens": 0,
-                       "requests": 0, "errors": 0}
+                       "requests": 0, "errors": 0, "decode_entries": 0, "decode_tokens": 0,
+                       "spec_proposed": 0, "spec_accepted": 0, "spec_steps_disabled": 0}
         ledger = self.runner.memory_ledger
         log.info("memory ledger: weights %.1f MiB, KV %d B/token, %d blocks x %d tokens = %d tokens "
                  "(%.1f MiB), %.2f sequences at max_model_len=%d",
@@ -100,31 +104,66 @@ class LLMEngine:
         """Run one batch; returns the requests that finished in it (text is None unless stop strings ran)."""
         finished = self._pending_errors
         self._pending_errors = []
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if sched:
             now = time.perf_counter()
             for e in sched.scheduled:
                 if e.seq.first_scheduled_time is None:
                     e.seq.first_scheduled_time = now
-            sampled = self.runner.execute(sched)
-            for e in sched.scheduled:
-                e.seq.num_computed_tokens += e.num_new_tokens
-                self.kv.publish_full_blocks(e.seq)
+            results = self.runner.execute(sched)
+            sampled = {id(e): tokens for e, tokens in results}
             now = time.perf_counter()
-            for e, token in sampled:
+            for e in sched.scheduled:
                 seq = e.seq
-                seq.token_ids.append(token)
+                tokens = sampled.get(id(e))
+                if tokens is None:                      # a prefill chunk short of the end
+                    seq.num_computed_tokens += e.num_new_tokens
+                    self.kv.publish_full_blocks(seq)
+                    continue
+                # K/V are valid for the fed tokens up to the last accepted draft
+                seq.num_computed_tokens += e.num_new_tokens - len(e.draft) + len(tokens) - 1
+                if e.draft:
+                    self._stats["spec_proposed"] += len(e.draft)
+                    self._stats["spec_accepted"] += len(tokens) - 1
+                    self.proposer.record(seq.spec, len(e.draft), len(tokens) - 1)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                reason = self._stop_reason(seq, token)
+                elif e.num_new_tokens - len(e.draft) == 1:
+                    self._stats["decode_entries"] += 1
+                    self._stats["decode_tokens"] += len(tokens)
+                reason = None
+                for token in tokens:
+                    seq.token_ids.append(token)
+                    reason = self._stop_reason(seq, token)
+                    if reason:
+                        break
                 if reason:
                     self.scheduler.finish(seq, reason)
                     seq.finish_time = now
                     finished.append(seq)
+                    continue
+                if e.draft:
+                    self.kv.trim(seq, seq.num_tokens)   # release the slots of rejected drafts
+                self.kv.publish_full_blocks(seq)
             self.scheduler.remove_finished()
             self._stats["steps"] += 1
             self._stats["batched_tokens"] += sched.num_batched_tokens
         return [self._output(s) for s in finished]
+
+    def _propose(self) -> None:
+        """Draft tokens for each decoding sequence, unless the batch is large enough to be compute-bound."""
+        cfg = self.spec_config
+        decoding = [s for s in self.scheduler.running if s.num_computed_tokens == s.num_tokens - 1]
+        if cfg.disable_by_batch_size is not None and len(decoding) > cfg.disable_by_batch_size:
+            self._stats["spec_steps_disabled"] += 1
+            return
+        for seq in decoding:
+            if seq.spec is None:
+                seq.spec = SeqSpecState()
+            room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
+            seq.draft = self.proposer.propose(seq.spec, seq.token_ids, room)
 
     def _stop_reason(self, seq: Sequence, token: int) -> Optional[str]:
         p = seq.params
@@ -184,5 +223,8 @@ class LLMEngine:
         s["recomputed_tokens"] = sch.recomputed_tokens
         s["prefix_cache_queries"] = self.kv.prefix_queries
         s["prefix_cache_hits"] = self.kv.prefix_hits
+        s["spec_acceptance_rate"] = s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0
+        s["mean_tokens_per_decode_step"] = (s["decode_tokens"] / s["decode_entries"]
+                                            if s["decode_entries"] else 0.0)
         s["prefix_cache_hit_rate"] = self.kv.prefix_hits / self.kv.prefix_queries if self.kv.prefix_queries else 0.0
         return s

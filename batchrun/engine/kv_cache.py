@@ -129,6 +129,13 @@ class KVCacheManager:
         if n:
             seq.block_table.extend(self.pool.allocate(n))
 
+    def trim(self, seq, num_tokens: int) -> None:
+        """Release blocks past those `num_tokens` tokens need (slots of rejected draft tokens)."""
+        keep = blocks_needed(num_tokens, self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.free(list(reversed(seq.block_table[keep:])))
+            del seq.block_table[keep:]
+
     def free(self, seq) -> None:
         # newest blocks first, so a prefix's tail is evicted before its head
         self.pool.free(list(reversed(seq.block_table)))

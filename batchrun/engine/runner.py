@@ -15,7 +15,7 @@ import torch
 from batchrun.engine.attention import AttentionMetadata, TorchAttentionBackend
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.kv_cache import blocks_needed
-from batchrun.engine.sampler import sample
+from batchrun.engine.sampler import sample, verify_sampled
 from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
 from batchrun.models.llama import LlamaModel
 from batchrun.models.loader import ModelError, ModelInfo, load_weights
@@ -132,7 +132,8 @@ class ModelRunner:
         for i, e in enumerate(entries):
             seq, start, n = e.seq, e.seq.num_computed_tokens, e.num_new_tokens
             end = start + n
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.token_ids[start:end - len(e.draft)])
+            ids.extend(e.draft)
             bt = np.asarray(seq.block_table, dtype=np.int64)
             tables[i, :len(bt)] = bt
             pos = np.arange(start, end, dtype=np.int64)
@@ -171,8 +172,12 @@ class ModelRunner:
             self.host_kv.index_copy_(2, host, self.kv_caches.index_select(2, dev).to("cpu"))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[tuple[ScheduledSeq, int]]:
-        """Run one step; returns (entry, sampled token) for each entry that reaches its sequence's end."""
+    def execute(self, out: SchedulerOutput) -> list[tuple[ScheduledSeq, list[int]]]:
+        """Run one step; returns (entry, new tokens) for each entry that reaches its sequence's end.
+
+        Without a draft an entry gets one token; with d draft tokens it gets the accepted drafts plus
+        the model's own next token (1 to d + 1 tokens).
+        """
         if out.swap_out or out.swap_in:
             self.swap(out.swap_out, out.swap_in)
         if not out.scheduled:
@@ -183,12 +188,39 @@ class ModelRunner:
         sampling = [i for i, e in enumerate(entries) if e.samples]
         if not sampling:
             return []
-        last = torch.tensor([meta.query_start_loc_host[i + 1] - 1 for i in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[last])
-        seqs = [entries[i].seq for i in sampling]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                        self.default_generator).tolist()   # the step's one host sync
-        return [(entries[i], t) for i, t in zip(sampling, tokens)]
+        # rows to score: the last token of each sampling entry, plus one per draft token
+        qsl = meta.query_start_loc_host
+        rows = [r for i in sampling for r in range(qsl[i + 1] - 1 - len(entries[i].draft), qsl[i + 1])]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        plain = [i for i in sampling if not entries[i].draft]
+        spec = [i for i in sampling if entries[i].draft]
+        result: dict[int, list[int]] = {}
+        row_of, r = {}, 0
+        for i in sampling:
+            row_of[i] = r
+            r += 1 + len(entries[i].draft)
+        if plain:
+            seqs = [entries[i].seq for i in plain]
+            idx = torch.tensor([row_of[i] for i in plain], device=self.device)
+            tokens = sample(logits[idx], [s.params for s in seqs], [s.generator for s in seqs],
+                            self.default_generator).tolist()   # the step's one host sync without drafts
+            result.update({i: [t] for i, t in zip(plain, tokens)})
+        if spec:
+            greedy = [i for i in spec if entries[i].seq.params.greedy]
+            if greedy:
+                argmax = logits.argmax(dim=-1).tolist()
+                for i in greedy:
+                    draft, r0 = entries[i].draft, row_of[i]
+                    a = 0
+                    while a < len(draft) and draft[a] == argmax[r0 + a]:
+                        a += 1
+                    result[i] = draft[:a] + [argmax[r0 + a]]
+            for i in spec:
+                if i not in result:
+                    seq, r0 = entries[i].seq, row_of[i]
+                    result[i] = verify_sampled(logits[r0:r0 + 1 + len(entries[i].draft)], entries[i].draft,
+                                               seq.params, seq.generator or self.default_generator)
+        return [(entries[i], result[i]) for i in sampling]
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)

@@ -56,3 +56,38 @@ def sample(logits: torch.Tensor, params: Seq, generators: Seq[Optional[torch.Gen
         noise[j].exponential_(generator=generators[i] if generators[i] is not None else default_generator)
     tokens[rows] = (probs / noise).argmax(dim=-1)
     return tokens
+
+
+def filtered_probs(logits: torch.Tensor, p) -> torch.Tensor:
+    """[R, V] logits of one request -> its sampling distribution after temperature and filters."""
+    R = logits.shape[0]
+    dev = logits.device
+    x = _filter(logits / p.temperature, torch.full((R,), p.top_k, device=dev),
+                torch.full((R,), p.top_p, device=dev, dtype=logits.dtype),
+                torch.full((R,), p.min_p, device=dev, dtype=logits.dtype),
+                p.top_k > 0 or p.top_p < 1.0, p.min_p > 0.0)
+    return x.softmax(dim=-1)
+
+
+def _race(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
+def verify_sampled(logits: torch.Tensor, draft: list[int], p, generator: Optional[torch.Generator]) -> list[int]:
+    """Speculative sampling for a deterministic draft (q = point mass on the draft token).
+
+    logits [d+1, V]: row j scores the token after draft[:j]. Accept draft[j] with probability p_j(draft[j]);
+    on rejection sample from p_j with draft[j] removed (the residual max(p - q, 0), renormalised); if all
+    are accepted, sample the bonus token from p_d. The output distribution equals plain sampling.
+    """
+    probs = filtered_probs(logits, p)
+    d, dev = len(draft), logits.device
+    accept_p = probs[torch.arange(d, device=dev), torch.tensor(draft, device=dev)]
+    accepted = (torch.rand(d, generator=generator, device=dev) < accept_p).tolist()
+    for j, ok in enumerate(accepted):
+        if not ok:
+            residual = probs[j].clone()
+            residual[draft[j]] = 0.0
+            return draft[:j] + [_race(residual, generator)]
+    return draft + [_race(probs[d], generator)]

@@ -20,12 +20,13 @@ from batchrun.engine.sequence import Sequence, SeqStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int          # includes the draft tokens
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the sequence, so a next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass
@@ -79,7 +80,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = seq.num_tokens - seq.num_computed_tokens + len(seq.draft)
+            if seq.draft and (n > budget or kv.num_new_blocks(seq, seq.num_computed_tokens + n)
+                              > kv.pool.num_free):
+                seq.draft = []            # drafts are optional: never preempt or chunk for them
+                n = seq.num_tokens - seq.num_computed_tokens
+            n = min(n, budget)
             need = kv.num_new_blocks(seq, seq.num_computed_tokens + n)
             preempted_self = False
             while need > kv.pool.num_free:
@@ -91,7 +97,8 @@ class Scheduler:
             if preempted_self:
                 break
             kv.allocate(seq, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, seq.draft))
+            seq.draft = []
             budget -= n
             i += 1
 
@@ -150,6 +157,7 @@ class Scheduler:
             self.running.append(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.draft = []
         out.preempted.append(seq)
         self.num_preemptions += 1
         n = len(seq.block_table)

@@ -18,7 +18,7 @@ class Sequence:
                  "num_computed_tokens", "block_table", "finish_reason", "error", "text",
                  "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
                  "generator", "num_cached_tokens", "spec", "arrival_index", "block_keys",
-                 "host_blocks")
+                 "host_blocks", "draft")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any,
                  prompt: Optional[str] = None, arrival_index: int = 0):
@@ -42,7 +42,8 @@ class Sequence:
         self.finish_time: Optional[float] = None
         self.generator = None               # per-request torch.Generator when params.seed is set
         self.num_cached_tokens = 0          # prompt tokens served by the prefix cache
-        self.spec: Any = None               # speculative-decoding state
+        self.spec: Any = None               # speculative-decoding state (SeqSpecState)
+        self.draft: list[int] = []          # draft tokens proposed for this step
 
     @property
     def num_tokens(self) -> int:
