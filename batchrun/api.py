@@ -62,6 +62,9 @@ class LLM:
                     raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
             else:
                 texts.append(None); ids.append(list(p))
+        for i, t in enumerate(texts):
+            if ids[i] is None and not t:
+                ids[i] = []      # an empty prompt is an error row, not a lone BOS token
         to_encode = [i for i, x in enumerate(ids) if x is None]
         if to_encode:
             for i, enc in zip(to_encode, self.tokenizer.encode_batch([texts[i] for i in to_encode])):

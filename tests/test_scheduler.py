@@ -30,7 +30,7 @@ def run_step(s: Scheduler, sample_token=7):
 def test_scheduler_imports_no_torch():
     assert "batchrun.engine.scheduler" in sys.modules
     import subprocess
-    code = ("import sys, batchrun.engine.scheduler, batchrun.engine.kv_cache; "
+    code = ("import sys, batchrun.engine.scheduler, batchrun.engine.kv_cache, batchrun.engine.speculative; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -108,3 +108,62 @@ def test_abort_frees_blocks():
     assert s.abort("a") is a
     assert s.kv.pool.num_used == 0 and a.finish_reason == "abort"
     assert s.abort("missing") is None
+
+
+def test_swap_out_on_preemption_and_swap_in_before_admission():
+    from batchrun.engine.kv_cache import BlockPool
+    kv = KVCacheManager(4, 4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0,
+                  host_pool=BlockPool(8), swap_min_tokens=4)
+    a, b = seq("a", 8), seq("b", 8)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    c = seq("c", 2)
+    s.add(c)
+    plan, out = run_step(s)
+    assert out.preempted == [b] and out.swap_out == [(2, 0), (3, 1)]
+    assert b.status is SeqStatus.SWAPPED and b.host_blocks == [0, 1] and b.num_computed_tokens == 8
+    assert plan == [("a", 1, True)]          # nothing admitted while b waits to swap back in
+    assert s.swapped_out_blocks == 2 and s.recomputed_tokens == 0
+    s.finish(a, "length")
+    s.remove_finished()
+    plan, out = run_step(s)
+    assert out.swap_in == [(0, 2), (1, 3)]   # free pool order: b's old blocks, then what a freed
+    assert b.block_table == [2, 3, 1] and s.host_pool.num_free == 8   # + a block for its next token
+    assert plan == [("b", 1, True), ("c", 2, True)]     # swapped back in, decodes; then c is admitted
+
+
+def test_short_sequences_are_recomputed_not_swapped():
+    from batchrun.engine.kv_cache import BlockPool
+    kv = KVCacheManager(4, 4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0,
+                  host_pool=BlockPool(8), swap_min_tokens=100)
+    a, b = seq("a", 8), seq("b", 8)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    _, out = run_step(s)
+    assert out.preempted == [b] and out.swap_out == []
+    assert b.status is SeqStatus.WAITING and s.recomputed_tokens == 8
+
+
+def test_swapped_in_sequence_can_be_swapped_out_again_in_the_same_step():
+    """The runner copies swap-ins before swap-outs, because the scheduler may emit both for one sequence."""
+    from batchrun.engine.kv_cache import BlockPool
+    kv = KVCacheManager(4, 4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0,
+                  host_pool=BlockPool(4), swap_min_tokens=0)
+    a = seq("a", 16)                  # mid-prefill: 8 of 16 computed, its next chunk needs 2 more blocks
+    kv.allocate(a, 8)
+    a.num_computed_tokens, a.status = 8, SeqStatus.RUNNING
+    s.running.append(a)
+    b = seq("b", 3)                   # swapped out earlier: 1 host block
+    b.num_computed_tokens, b.status = 3, SeqStatus.SWAPPED
+    b.host_blocks = s.host_pool.allocate(1)
+    s.swapped.append(b)
+    out = s.schedule()
+    assert out.swap_in == [(0, 2)]                 # b comes back (2 free blocks >= its 1 + 1)...
+    assert out.preempted == [b] and out.swap_out == [(2, 1)]   # ...and gives way to a at once
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 8)]
+    assert a.block_table == [0, 1, 3, 2] and b.host_blocks == [1] and s.host_pool.num_free == 3

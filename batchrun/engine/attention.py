@@ -45,19 +45,7 @@ class TorchAttentionBackend:
         bs = k_cache.shape[1]
         nd = meta.num_decodes
         if nd:
-            lens = meta.seq_lens[:nd]
-            max_len = max(meta.seq_lens_host[:nd])
-            nblk = -(-max_len // bs)
-            bt = meta.block_tables[:nd, :nblk].long()
-            k = k_cache[bt].flatten(1, 2).transpose(1, 2)       # [nd, Hkv, L, D]
-            v = v_cache[bt].flatten(1, 2).transpose(1, 2)
-            j = torch.arange(nblk * bs)
-            mask = j[None, :] < lens[:, None]                    # [nd, L]
-            if sliding_window is not None:
-                mask &= j[None, :] > (lens[:, None] - 1 - sliding_window)
-            o = F.scaled_dot_product_attention(q[:nd, :, None, :], k, v, attn_mask=mask[:, None, None, :],
-                                               scale=scale, enable_gqa=True)
-            out[:nd] = o[:, :, 0, :]
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         for i in range(nd, len(lens)):
             start, end, ctx = qsl[i], qsl[i + 1], lens[i]
@@ -78,3 +66,25 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: Optional[int]) -> torch.Tensor:
+        # q: [B, Hq, D], one token per sequence. Explicit matmuls: CPU SDPA with a mask falls back to a
+        # slow path in bf16, and grouping query heads by KV head avoids repeating K/V.
+        B, Hq, D = q.shape
+        bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+        lens = meta.seq_lens[:B]
+        nblk = -(-max(meta.seq_lens_host[:B]) // bs)
+        bt = meta.block_tables[:B, :nblk].long()
+        k = k_cache[bt].flatten(1, 2)                          # [B, L, Hkv, D]
+        v = v_cache[bt].flatten(1, 2)
+        j = torch.arange(nblk * bs, device=q.device)
+        masked = j[None, :] >= lens[:, None]                   # [B, L]
+        if sliding_window is not None:
+            masked |= j[None, :] <= (lens[:, None] - 1 - sliding_window)
+        qg = q.view(B, Hkv, Hq // Hkv, D)
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale     # [B, Hkv, G, L]
+        scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+        p = scores.softmax(dim=-1).to(v.dtype)
+        return torch.matmul(p, v.transpose(1, 2)).reshape(B, Hq, D)          # [B, Hkv, G, D] -> [B, Hq, D]
