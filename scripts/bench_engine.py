@@ -16,16 +16,7 @@ import time
 
 import torch
 
-
-def build_model(path: str, args) -> None:
-    import transformers as tf
-    from batchrun.demo import build_tokenizer
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=576, intermediate_size=1536, num_hidden_layers=12,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, initializer_range=0.05)
-    tf.LlamaForCausalLM(cfg).to(getattr(torch, args.dtype)).save_pretrained(path)
-    build_tokenizer(path, vocab_size=2048)
+from bench_common import build_model, timed_generate
 
 
 def workload(args):
@@ -40,10 +31,8 @@ def run_batchrun(path, prompts, max_tokens, args):
     from batchrun import LLM, SamplingParams
     llm = LLM(path, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params[:4], use_tqdm=False)   # warm-up
-    t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    dt = time.perf_counter() - t
+    timed_generate(llm, prompts[:4], params[:4])   # warm-up
+    dt, outs = timed_generate(llm, prompts, params)
     return sum(len(o.token_ids) for o in outs) / dt, dt, llm.stats
 
 
@@ -80,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     prompts, max_tokens = workload(args)
     with tempfile.TemporaryDirectory() as d:
-        build_model(d, args)
+        build_model(d, args.dtype)
         ours, ours_s, stats = run_batchrun(d, prompts, max_tokens, args)
         hf, hf_s = run_hf(d, prompts, max_tokens, args)
     result = {"num_prompts": len(prompts), "dtype": args.dtype, "output_tokens": sum(max_tokens),

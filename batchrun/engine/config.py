@@ -40,7 +40,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0
     preemption_mode: str = "swap"
-    swap_min_tokens: int = 32
+    swap_min_tokens: int = 16
     enable_prefix_caching: bool = False
     speculative_config: Optional[dict[str, Any]] = None
     enforce_eager: bool = False
