@@ -88,3 +88,31 @@ class TorchAttentionBackend:
         scores.masked_fill_(masked[:, None, None, :], float("-inf"))
         p = scores.softmax(dim=-1).to(v.dtype)
         return torch.matmul(p, v.transpose(1, 2)).reshape(B, Hq, D)          # [B, Hkv, G, D] -> [B, Hq, D]
+
+
+class TritonAttentionBackend:
+    """Paged attention with batchrun.kernels' Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1).
+
+    Decode rows go to the flash-decoding kernel, prefill chunks to the varlen prefill kernel; neither reads
+    host values, so a decode step can be captured in a CUDA graph.
+    """
+
+    name = "triton"
+
+    def __init__(self):
+        from batchrun import kernels
+        self.k = kernels
+
+    def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        self.k.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                sliding_window: Optional[int]) -> torch.Tensor:
+        nd = meta.num_decodes
+        B = meta.seq_lens.shape[0]
+        if nd == B:
+            return self.k.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                 scale, sliding_window=sliding_window)
+        return self.k.paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                              meta.block_tables, scale, meta.max_query_len,
+                                              sliding_window=sliding_window)

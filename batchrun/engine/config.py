@@ -26,6 +26,8 @@ class EngineConfig:
     speculative_config: {"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_max": n_max, "prompt_lookup_min": n_min} or None.
     enforce_eager: disable CUDA graphs.
+    attention_backend: "auto" (Triton on CUDA, torch on CPU), "torch" or "triton" (on CPU the Triton
+        kernels run only under TRITON_INTERPRET=1: a test path, not a fast one).
     device: "auto", "cpu" or "cuda".
     seed: seed of the global sampler generator (requests with a seed use their own).
     """
@@ -44,6 +46,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     speculative_config: Optional[dict[str, Any]] = None
     enforce_eager: bool = False
+    attention_backend: str = "auto"
     device: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
@@ -60,5 +63,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.preemption_mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -71,7 +71,7 @@ class ModelRunner:
         load_weights(model, info)
         self.model = model.eval()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.backend = TorchAttentionBackend()
+        self.backend = self._select_backend()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
         attn = model.layers[0].self_attn
@@ -98,13 +98,68 @@ class ModelRunner:
             self.host_kv = torch.zeros((*shape[:2], host_blocks, *shape[3:]), dtype=self.dtype,
                                        device="cpu", pin_memory=pin)
 
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
+            from batchrun.engine.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self, config.max_num_seqs)
+
+    def _select_backend(self):
+        choice = self.config.attention_backend
+        if choice == "auto":
+            choice = "triton" if self.device.type == "cuda" else "torch"
+        if choice == "triton":
+            from batchrun.engine.attention import TritonAttentionBackend
+            return TritonAttentionBackend()
+        return TorchAttentionBackend()
+
     def _kv_budget(self) -> int:
         if self.config.kv_cache_memory is not None:
             return int(self.config.kv_cache_memory)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return max(0, int(total * self.config.gpu_memory_utilization) - (total - free))
+            return self._cuda_kv_budget()
         return int(min(4 << 30, 0.25 * _available_host_memory()))
+
+    @torch.inference_mode()
+    def _cuda_kv_budget(self) -> int:
+        """gpu_memory_utilization x total, less what the weights and the peak activations of the largest
+        step (a profiling forward of max_num_batched_tokens tokens) use, less other processes' memory."""
+        cfg = self.config
+        free0, total = torch.cuda.mem_get_info(self.device)
+        others = total - free0 - torch.cuda.memory_reserved(self.device)
+        T = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
+        seqs = [min(self.max_model_len, T - i) for i in range(0, T, self.max_model_len)]
+        attn = self.model.layers[0].self_attn
+        nblk = sum(blocks_needed(n, self.block_size) for n in seqs)
+        kv = torch.zeros((len(self.model.layers), 2, nblk, self.block_size, attn.num_kv_heads, attn.head_dim),
+                         dtype=self.dtype, device=self.device)
+        tables, slots, qsl, start = [], [], [0], 0
+        width = max(blocks_needed(n, self.block_size) for n in seqs)
+        for n in seqs:
+            b = blocks_needed(n, self.block_size)
+            tables.append(list(range(start, start + b)) + [0] * (width - b))
+            slots.extend(range(start * self.block_size, start * self.block_size + n))
+            qsl.append(qsl[-1] + n)
+            start += b
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev), query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seqs, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev), num_decodes=0,
+            max_query_len=max(seqs), max_seq_len=max(seqs), query_start_loc_host=qsl, seq_lens_host=seqs)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        ids = torch.zeros(T, dtype=torch.long, device=dev)
+        pos = torch.cat([torch.arange(n, device=dev) for n in seqs])
+        h = self.model(ids, pos, kv, meta, self.backend)
+        self.model.compute_logits(h[:min(T, cfg.max_num_seqs)])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - kv.numel() * kv.element_size()
+        del kv, h
+        torch.cuda.empty_cache()
+        budget = int(total * cfg.gpu_memory_utilization) - peak - others
+        log.info("profiled step of %d tokens: peak %.2f GiB with weights; KV budget %.2f GiB",
+                 T, peak / 2**30, budget / 2**30)
+        return max(0, budget)
 
     @property
     def memory_ledger(self) -> dict:
@@ -141,18 +196,23 @@ class ModelRunner:
             slots.append(bt[pos // bs] * bs + pos % bs)
             qsl.append(qsl[-1] + n)
             lens.append(end)
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=self._to_device(np.concatenate(slots)),
+            query_start_loc=self._to_device(np.asarray(qsl, dtype=np.int32)),
+            seq_lens=self._to_device(np.asarray(lens, dtype=np.int32)),
+            block_tables=self._to_device(tables),
             num_decodes=sum(1 for e in entries if e.num_new_tokens == 1),
             max_query_len=max(e.num_new_tokens for e in entries),
             max_seq_len=max(lens), query_start_loc_host=qsl, seq_lens_host=lens)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
+        input_ids = self._to_device(np.asarray(ids, dtype=np.int64))
+        pos_t = self._to_device(np.concatenate(positions))
         return input_ids, pos_t, meta
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        if self.device.type == "cuda":   # pinned staging so the copy overlaps; no sync until sampling
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Batched block copies, one gather/scatter per direction.
@@ -184,7 +244,10 @@ class ModelRunner:
             return []
         entries = sorted(out.scheduled, key=lambda e: e.num_new_tokens != 1)  # stable: decodes first
         input_ids, positions, meta = self._prepare(entries)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         sampling = [i for i, e in enumerate(entries) if e.samples]
         if not sampling:
             return []
