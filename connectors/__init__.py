@@ -1,0 +1,23 @@
+"""Sources (Parquet, JSONL, CSV) and the Parquet sink, all over fsspec."""
+from batchrun.connectors.base import InputError, Source, Unit, filesystem
+from batchrun.connectors.lines import CsvSource, JsonlSource
+from batchrun.connectors.parquet import ParquetSource
+from batchrun.connectors.sink import ParquetSink
+
+FORMATS = {"parquet": ParquetSource, "jsonl": JsonlSource, "csv": CsvSource}
+EXTENSIONS = {".parquet": "parquet", ".parq": "parquet", ".pq": "parquet", ".jsonl": "jsonl",
+              ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "csv"}
+
+
+def open_source(uri: str, format: str | None = None, storage_options: dict | None = None) -> Source:
+    """Open the input at `uri` (a path, directory, glob or fsspec URL); format inferred from the extension."""
+    if format is None:
+        stem = uri.rstrip("/").rsplit("/", 1)[-1]
+        format = next((f for ext, f in EXTENSIONS.items() if stem.endswith(ext)), "parquet")
+    if format not in FORMATS:
+        raise InputError(f"input.format {format!r}: expected one of {', '.join(FORMATS)}")
+    return FORMATS[format](uri, storage_options)
+
+
+__all__ = ["InputError", "Source", "Unit", "ParquetSource", "JsonlSource", "CsvSource", "ParquetSink",
+           "open_source", "filesystem", "FORMATS"]

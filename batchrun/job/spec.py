@@ -1,0 +1,208 @@
+"""The job file: YAML, read with yaml.safe_load and validated with pydantic.
+
+An unknown or misspelt key is an error naming its path (`engine.max_num_seq: unknown key, did you
+mean max_num_seqs?`). `--set a.b=value` overrides any key, the value parsed as YAML. Relative paths are
+relative to the job file's directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import string
+import typing
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+
+from batchrun.engine.config import EngineConfig
+from batchrun.outputs import SamplingParams
+
+
+class JobError(ValueError):
+    """A bad job file; the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    """model: the HF model directory and its dtype."""
+    path: str
+    dtype: str = "auto"
+
+
+class InputSpec(_Strict):
+    """input: where the prompts are and how each row becomes one."""
+    uri: str
+    format: Optional[Literal["parquet", "jsonl", "csv"]] = None
+    id_column: Optional[str] = None
+    prompt_column: Optional[str] = None
+    messages_column: Optional[str] = None
+    prompt_template: Optional[str] = None
+    chat: bool = False
+    system_prompt: Optional[str] = None
+    passthrough: list[str] = Field(default_factory=list)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self):
+        if (self.prompt_column is None) == (self.messages_column is None) and self.prompt_template is None:
+            raise ValueError("set exactly one of prompt_column, messages_column (or a prompt_template)")
+        if self.messages_column is not None and (self.prompt_column or self.prompt_template):
+            raise ValueError("messages_column cannot be combined with prompt_column or prompt_template")
+        return self
+
+    def template_fields(self) -> list[str]:
+        if self.prompt_template is None:
+            return []
+        try:
+            return [f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f]
+        except ValueError as e:
+            raise JobError(f"input.prompt_template: {e}") from e
+
+    def columns(self) -> list[str]:
+        cols = [self.id_column, self.prompt_column, self.messages_column, *self.template_fields(), *self.passthrough]
+        return list(dict.fromkeys(c for c in cols if c))
+
+
+class OutputSpec(_Strict):
+    """output: where results go (part-<k>.parquet files and the _batchrun/ ledger)."""
+    uri: str
+    include_prompt: bool = False
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+
+class PlanSpec(_Strict):
+    """plan: how the input is cut into checkpoint units and ordered."""
+    unit_rows: int = Field(2048, ge=1)
+    window_units: int = Field(8, ge=1)
+    order: Literal["length", "input"] = "length"
+
+
+def _model_from_dataclass(name: str, cls, skip: set[str]):
+    hints = typing.get_type_hints(cls)
+    spec = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        spec[f.name] = (hints[f.name], default)
+    return create_model(name, __base__=_Strict, **spec)
+
+
+SamplingSpec = _model_from_dataclass("SamplingSpec", SamplingParams, {"n"})
+EngineSpec = _model_from_dataclass("EngineSpec", EngineConfig, {"model", "dtype", "extra"})
+
+
+class JobSpec(_Strict):
+    """A whole job file. See jobs/*.yaml and the README for every key."""
+    name: str
+    model: ModelSpec
+    input: InputSpec
+    output: OutputSpec
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)      # type: ignore[valid-type]
+    engine: EngineSpec = Field(default_factory=EngineSpec)            # type: ignore[valid-type]
+    plan: PlanSpec = Field(default_factory=PlanSpec)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", v):
+            raise ValueError("use letters, digits, '_', '.' and '-'")
+        return v
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.sampling.model_dump())
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kw = self.engine.model_dump()
+        if "enable_prefix_caching" not in self.engine.model_fields_set:
+            kw["enable_prefix_caching"] = True     # jobs default it on: length-ordered windows make it pay
+        return kw
+
+
+def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        ann = field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(x for x in e["loc"] if not isinstance(x, int) or True)
+        path = ".".join(str(x) for x in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            known = _known_keys(JobSpec, loc)
+            guess = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f", did you mean {guess[0]}?" if guess else f" (known: {', '.join(known)})"
+            lines.append(f"{path}: unknown key{hint}")
+        elif e["type"] == "missing":
+            lines.append(f"{path}: required key missing")
+        else:
+            lines.append(f"{path}: {e['msg']}")
+    return f"{source}: invalid job file:\n  " + "\n  ".join(lines)
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """`a.b.c=value` -> data['a']['b']['c'] = yaml.safe_load(value)."""
+    if "=" not in assignment:
+        raise JobError(f"--set {assignment!r}: expected key.path=value")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise JobError(f"--set {key}: {p} is not a mapping")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def _resolve(path: str, base: str) -> str:
+    if "://" in path or os.path.isabs(path):
+        return path
+    return os.path.normpath(os.path.join(base, path))
+
+
+def parse_job(data: Any, source: str = "<job>", base_dir: str = ".") -> JobSpec:
+    if not isinstance(data, dict):
+        raise JobError(f"{source}: a job file is a YAML mapping")
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as e:
+        raise JobError(_format_errors(e, source)) from None
+    spec.model.path = _resolve(spec.model.path, base_dir)
+    spec.input.uri = _resolve(spec.input.uri, base_dir) + ("/" if spec.input.uri.endswith("/") else "")
+    spec.output.uri = _resolve(spec.output.uri, base_dir)
+    spec.input.template_fields()
+    try:
+        spec.sampling_params()
+        EngineConfig(model=spec.model.path, dtype=spec.model.dtype, **spec.engine_kwargs())
+    except (ValueError, TypeError) as e:
+        raise JobError(f"{source}: {e}") from None
+    return spec
+
+
+def load_job(path: str, overrides: Union[list[str], tuple[str, ...]] = ()) -> JobSpec:
+    """Read and validate a job file, applying `--set` overrides first."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise JobError(f"{path}: no such job file") from None
+    except yaml.YAMLError as e:
+        raise JobError(f"{path}: not valid YAML ({e})") from None
+    data = data if data is not None else {}
+    for o in overrides:
+        apply_override(data, o)
+    return parse_job(data, path, os.path.dirname(os.path.abspath(path)))

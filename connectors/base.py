@@ -1,0 +1,103 @@
+"""Source and sink basics shared by every connector: units, errors, fsspec resolution."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import fsspec
+import pyarrow as pa
+
+
+class InputError(ValueError):
+    """A problem with the input that stops the job before weights load; names the file or column."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A fixed slice of the input: rows [row_start, row_start + num_rows) of one file.
+
+    index: position in the deterministic enumeration (the checkpoint key).
+    first_row: the slice's row number over the whole input (the default id).
+    row_groups: Parquet row groups covering the slice (empty for line-based formats).
+    """
+
+    index: int
+    path: str
+    row_start: int
+    num_rows: int
+    first_row: int
+    row_groups: tuple[int, ...] = ()
+
+
+@dataclass
+class FileInfo:
+    path: str
+    size: int
+    version: Optional[str]   # mtime or ETag: a change between submit and resume is detected
+
+
+@dataclass
+class Listing:
+    files: list[FileInfo] = field(default_factory=list)
+
+    def fingerprint(self) -> list[list[Any]]:
+        return [[f.path, f.size, f.version] for f in self.files]
+
+
+def filesystem(uri: str, storage_options: Optional[dict] = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path without protocol) for any fsspec URL or local path."""
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    except ImportError as e:
+        proto = uri.split("://", 1)[0]
+        extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}.get(proto)
+        hint = f" (pip install 'batchrun[{extra}]')" if extra else ""
+        raise InputError(f"{uri}: no filesystem for {proto}://{hint}: {e}") from e
+    return fs, path
+
+
+def list_files(uri: str, storage_options: Optional[dict], suffixes: tuple[str, ...]) -> tuple[Any, list[FileInfo]]:
+    """Expand a path, a directory or a glob into a sorted file listing (sizes and versions from metadata)."""
+    fs, path = filesystem(uri, storage_options)
+    if any(ch in path for ch in "*?["):
+        paths = sorted(fs.glob(path))
+    elif fs.isdir(path):
+        paths = sorted(p for p in fs.find(path) if p.endswith(suffixes)
+                       and not any(part.startswith(("_", ".")) for part in p[len(path):].split("/") if part))
+    elif fs.exists(path):
+        paths = [path]
+    else:
+        raise InputError(f"{uri}: no such file or directory")
+    if not paths:
+        raise InputError(f"{uri}: matches no input files ({', '.join(suffixes)})")
+    infos = []
+    for p in paths:
+        info = fs.info(p)
+        version = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") \
+            or info.get("created")
+        infos.append(FileInfo(p, int(info.get("size") or 0), None if version is None else str(version)))
+    return fs, infos
+
+
+def full_path(fs, path: str) -> str:
+    """The URL of `path` on `fs`, for messages and the listing fingerprint."""
+    proto = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+    return path if proto in ("file", "local") else f"{proto}://{path}"
+
+
+class Source:
+    """A readable input: enumerate units cheaply, then read one unit's rows as an Arrow table."""
+
+    fs: Any
+    listing: Listing
+    schema: pa.Schema
+
+    def units(self, unit_rows: int) -> list[Unit]:
+        raise NotImplementedError
+
+    def read(self, unit: Unit, columns: Optional[list[str]] = None) -> pa.Table:
+        raise NotImplementedError
+
+    @property
+    def num_rows(self) -> int:
+        raise NotImplementedError
