@@ -164,6 +164,8 @@ class KVCacheManager:
 
     def adopt_prefix(self, seq, hits: list[int], keys: list[Hashable]) -> None:
         """Give seq (with an empty table) the blocks match_prefix found."""
+        if not self.enable_prefix_caching:
+            return
         for b in hits:
             self.pool.take_cached(b)
         seq.block_table = list(hits)

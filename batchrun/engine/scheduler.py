@@ -117,8 +117,7 @@ class Scheduler:
             if not kv.can_allocate(need, reserve):
                 break
             self.waiting.popleft()
-            if hits:
-                kv.adopt_prefix(seq, hits, keys)
+            kv.adopt_prefix(seq, hits, keys)
             kv.allocate(seq, start + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
