@@ -19,6 +19,7 @@ class Unit:
     index: position in the deterministic enumeration (the checkpoint key).
     first_row: the slice's row number over the whole input (the default id).
     row_groups: Parquet row groups covering the slice (empty for line-based formats).
+    byte_offset: JSONL: where the slice's first line starts (-1 when not applicable).
     """
 
     index: int
@@ -27,6 +28,7 @@ class Unit:
     num_rows: int
     first_row: int
     row_groups: tuple[int, ...] = ()
+    byte_offset: int = -1
 
 
 @dataclass
@@ -82,7 +84,7 @@ def list_files(uri: str, storage_options: Optional[dict], suffixes: tuple[str, .
 def full_path(fs, path: str) -> str:
     """The URL of `path` on `fs`, for messages and the listing fingerprint."""
     proto = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
-    return path if proto in ("file", "local") else f"{proto}://{path}"
+    return path if proto in ("file", "local") else f"{proto}://{path.lstrip('/')}"
 
 
 class Source:

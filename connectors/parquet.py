@@ -1,6 +1,7 @@
 """Parquet source: units are row ranges aligned to row groups, enumerated from file footers alone."""
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import pyarrow as pa
@@ -30,45 +31,77 @@ class ParquetSource(Source):
                 self.schema = schema
             elif not schema.equals(self.schema):
                 raise InputError(f"{name}: schema differs from the first file's "
-                                 f"({full_path(self.fs, files[0].path)}):\n  {schema}\n  vs\n  {self.schema}")
+                                 f"({full_path(self.fs, files[0].path)}): {_schema_diff(self.schema, schema)}")
             self._meta.append(meta)
+        self._index = {f.path: i for i, f in enumerate(files)}
+        self._cache: Optional[tuple] = None
+        self._lock = threading.Lock()
 
     @property
     def num_rows(self) -> int:
         return sum(m.num_rows for m in self._meta)
 
     def units(self, unit_rows: int) -> list[Unit]:
-        """Consecutive row groups of a file form a unit until it holds >= unit_rows rows; a larger row
-        group is split into row ranges. Numbering follows the sorted listing, so it is deterministic."""
+        """Consecutive whole row groups of one file form a unit of at most unit_rows rows; a row group
+        larger than unit_rows is split into row ranges. Numbering follows the sorted listing, so the same
+        input always gives the same units. Only footers (already read) are used."""
         units: list[Unit] = []
         first = 0
         for f, meta in zip(self.listing.files, self._meta):
             start, groups, rows = 0, [], 0
+
+            def flush():
+                nonlocal start, groups, rows
+                if groups:
+                    units.append(Unit(len(units), f.path, start, rows, first + start, tuple(groups)))
+                    start, groups, rows = start + rows, [], 0
+
             for g in range(meta.num_row_groups):
                 n = meta.row_group(g).num_rows
-                if n > unit_rows and not groups:
+                if n == 0:
+                    continue
+                if n > unit_rows:
+                    flush()
                     for off in range(0, n, unit_rows):
                         k = min(unit_rows, n - off)
                         units.append(Unit(len(units), f.path, start + off, k, first + start + off, (g,)))
                     start += n
                     continue
+                if rows + n > unit_rows:
+                    flush()
                 groups.append(g)
                 rows += n
-                if rows >= unit_rows:
-                    units.append(Unit(len(units), f.path, start, rows, first + start, tuple(groups)))
-                    start, groups, rows = start + rows, [], 0
-            if groups:
-                units.append(Unit(len(units), f.path, start, rows, first + start, tuple(groups)))
+            flush()
             first += meta.num_rows
         return units
 
     def read(self, unit: Unit, columns: Optional[list[str]] = None) -> pa.Table:
-        i = next(i for i, f in enumerate(self.listing.files) if f.path == unit.path)
+        """Rows of `unit`: only its row groups (and `columns`) are read. The last row groups read are kept,
+        so the ranges of one large row group cost one decode."""
+        key = (unit.path, unit.row_groups, tuple(columns) if columns is not None else None)
+        with self._lock:
+            if self._cache is not None and self._cache[0] == key:
+                table = self._cache[1]
+            else:
+                self._cache = None
+                try:
+                    with self.fs.open(unit.path, "rb") as fh:
+                        table = pq.ParquetFile(fh).read_row_groups(list(unit.row_groups), columns=columns)
+                except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad pages
+                    raise InputError(f"{full_path(self.fs, unit.path)}: read failed ({e})") from e
+                self._cache = (key, table)
+        i = self._index[unit.path]
         meta = self._meta[i]
         group_start = sum(meta.row_group(g).num_rows for g in range(unit.row_groups[0]))
-        try:
-            with self.fs.open(unit.path, "rb") as fh:
-                table = pq.ParquetFile(fh).read_row_groups(list(unit.row_groups), columns=columns)
-        except Exception as e:
-            raise InputError(f"{full_path(self.fs, unit.path)}: read failed ({e})") from e
         return table.slice(unit.row_start - group_start, unit.num_rows)
+
+
+def _schema_diff(a: pa.Schema, b: pa.Schema) -> str:
+    """What differs between two schemas, column by column, for an error message."""
+    parts = [f"column {n!r} missing" for n in a.names if n not in b.names]
+    parts += [f"extra column {n!r}" for n in b.names if n not in a.names]
+    parts += [f"column {f.name!r} is {b.field(f.name).type} here but {f.type} there" for f in a
+              if f.name in b.names and b.field(f.name).type != f.type]
+    parts += [f"column {f.name!r} nullability differs" for f in a
+              if f.name in b.names and b.field(f.name).type == f.type and b.field(f.name).nullable != f.nullable]
+    return "; ".join(parts) or "column order differs"

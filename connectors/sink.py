@@ -1,16 +1,19 @@
 """Parquet sink: one zstd Parquet file per committed unit, published atomically.
 
-Local filesystems: written under `_batchrun/tmp/` and renamed to `part-<k>.parquet` (a rename is
-atomic). Object stores: the finished bytes are sent in one PUT of the final key, which is atomic
-there. Either way `read_parquet('OUT/*.parquet')` never sees a partial file.
+Local filesystems: written (and fsynced) under `_batchrun/tmp/`, then renamed to `part-<k>.parquet`;
+a rename is atomic. Object stores: the finished bytes go up in one PUT of the final key, which is
+atomic there. Either way `read_parquet('OUT/*.parquet')` never sees a partial file: `_batchrun/` is
+not matched by that glob.
 """
 from __future__ import annotations
 
 import hashlib
 import io
 import json
+import os
 import uuid
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,20 +21,36 @@ import pyarrow.parquet as pq
 from batchrun.connectors.base import filesystem, full_path
 
 ROW_GROUP_ROWS = 122_880     # DuckDB's own row-group size: one scan task per group
+PART_GLOB = "part-*.parquet"
 
 
 def part_name(index: int) -> str:
+    """File name of unit `index`'s results."""
     return f"part-{index:06d}.parquet"
+
+
+def is_local(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protocols or "local" in protocols
+
+
+@dataclass
+class Committed:
+    path: str
+    bytes: int
+    sha256: str
 
 
 class ParquetSink:
     """Writes result tables under an output URL (any fsspec URL)."""
 
-    def __init__(self, uri: str, storage_options: Optional[dict] = None):
-        self.fs, self.root = filesystem(uri, storage_options)
-        self.root = self.root.rstrip("/")
-        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else [self.fs.protocol])
-        self.fs.makedirs(self.root, exist_ok=True)
+    def __init__(self, uri: str, storage_options: Optional[dict] = None, create: bool = True):
+        """create=False: only read (status, query); the output directory is not made."""
+        self.fs, root = filesystem(uri, storage_options)
+        self.root = root.rstrip("/") or "/"
+        self.local = is_local(self.fs)
+        if create:
+            self.fs.makedirs(self.root, exist_ok=True)
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -40,31 +59,56 @@ class ParquetSink:
     def url(self) -> str:
         return full_path(self.fs, self.root)
 
-    def commit(self, index: int, table: pa.Table, metadata: dict[str, Any], before_publish=None) -> dict[str, Any]:
-        """Publish `table` as part-<index>.parquet; returns its path, size and sha256.
-        before_publish: called between writing and publishing (the crash tests' hook)."""
-        schema = table.schema.with_metadata({k: v if isinstance(v, str) else json.dumps(v)
-                                             for k, v in metadata.items()})
+    def commit(self, index: int, table: pa.Table, metadata: dict[str, Any],
+               before_publish: Optional[Callable[[], None]] = None) -> Committed:
+        """Publish `table` as part-<index>.parquet, replacing any earlier file of that unit.
+
+        metadata: file key-value metadata (non-str values are JSON-encoded).
+        before_publish: called once the bytes are complete but not yet visible (a crash-test hook).
+        """
+        meta = {k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in metadata.items()}
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
         buf = io.BytesIO()
-        pq.write_table(table.replace_schema_metadata(schema.metadata), buf, compression="zstd",
-                       row_group_size=ROW_GROUP_ROWS)
+        pq.write_table(table, buf, compression="zstd", row_group_size=ROW_GROUP_ROWS)
         data = buf.getvalue()
         final = self.path(part_name(index))
         if self.local:
             tmp_dir = self.path("_batchrun/tmp")
-            self.fs.makedirs(tmp_dir, exist_ok=True)
+            os.makedirs(tmp_dir, exist_ok=True)
             tmp = f"{tmp_dir}/{part_name(index)}.{uuid.uuid4().hex}"
-            with self.fs.open(tmp, "wb") as f:
+            with open(tmp, "wb") as f:
                 f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
             if before_publish:
                 before_publish()
-            self.fs.mv(tmp, final)
+            os.replace(tmp, final)
         else:
             if before_publish:
                 before_publish()
             self.fs.pipe_file(final, data)
-        return {"path": final, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return Committed(final, len(data), hashlib.sha256(data).hexdigest())
 
-    def remove_parts(self) -> None:
-        for p in self.fs.glob(self.path("part-*.parquet")):
-            self.fs.rm(p)
+    def list_parts(self) -> dict[str, int]:
+        """{file name: size} of every part file now visible."""
+        try:
+            self.fs.invalidate_cache(self.root)
+        except Exception:   # noqa: BLE001 - not every filesystem keeps a listings cache
+            pass
+        out = {}
+        for p in self.fs.glob(self.path(PART_GLOB), detail=True).values():
+            out[p["name"].rsplit("/", 1)[-1]] = int(p.get("size") or 0)
+        return out
+
+    def remove(self, names: list[str]) -> None:
+        for n in names:
+            try:
+                self.fs.rm(self.path(n))
+            except FileNotFoundError:
+                pass
+
+    def clean_tmp(self) -> None:
+        """Drop temporary files a killed writer left (never visible to readers)."""
+        tmp = self.path("_batchrun/tmp")
+        if self.fs.exists(tmp):
+            self.fs.rm(tmp, recursive=True)

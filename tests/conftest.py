@@ -66,3 +66,10 @@ def mixed_prompts(n: int = 32, max_len: int = 400, seed: int = 0) -> list[list[i
     rng = random.Random(seed)
     lens = [1, 2, max_len] + [rng.randint(1, max_len) for _ in range(n - 3)]
     return [[rng.randrange(3, VOCAB) for _ in range(k)] for k in lens]
+
+
+@pytest.fixture(scope="session")
+def job_model(tmp_path_factory):
+    """A tiny demo-format model (batchrun.demo, no transformers) for job-runner tests."""
+    from jobutil import tiny_model
+    return tiny_model(str(tmp_path_factory.mktemp("job-model")))

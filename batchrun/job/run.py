@@ -1,337 +1,450 @@
-"""The job runner: streams units through the engine and commits each finished unit exactly once.
+"""Drives the engine over a job's units and commits results unit by unit.
 
-Threads: a reader (read, render, tokenize a window of units) and a writer (detokenize, build the Arrow
-table, publish the part file, write the done marker) around the engine loop in the main thread, joined
-by bounded queues. The engine is topped up with the next window before the current one drains.
+Three threads, bounded queues between them, so the engine never waits on I/O:
+    reader  (background): read a window of units -> render prompts -> tokenize -> order the window
+    engine  (main thread): add requests, topping up from the next window before this one drains;
+                           step(); route finished outputs to their unit
+    writer  (background): once every row of a unit is finished: decode, build the Arrow table,
+                          Sink.commit(unit), then Ledger.mark_done(unit)
+SIGTERM / SIGINT stop admission; units already complete are committed, the rest are abandoned
+uncommitted (a resume redoes them), and the runner raises Interrupted (exit code 75).
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import os
 import queue
 import resource
 import signal
+import socket
+import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import pyarrow as pa
 
-from batchrun.connectors import InputError, ParquetSink, Unit, open_source
-from batchrun.job.faults import crash_point
-from batchrun.job.ledger import FingerprintMismatch, Ledger, fingerprint
-from batchrun.job.plan import UnitWork, order_window, render, tokenize
+from batchrun.connectors import ParquetSink, Unit
+from batchrun.connectors.sink import part_name
+from batchrun.job.ledger import FingerprintMismatch, Ledger
+from batchrun.job.plan import JobPlan, Rendered, fingerprint_hash, length_order, render, windows
 from batchrun.job.spec import JobSpec
 
-log = logging.getLogger("batchrun")
+# Exit codes (README: "Exit codes"). A scheduler should retry 75 and 1, not 2, 3 or 4.
+EXIT_OK = 0
+EXIT_UNEXPECTED = 1
+EXIT_BAD_JOB = 2          # bad job file or command line
+EXIT_INPUT = 3            # input or model unusable (missing column, corrupt file, unknown architecture)
+EXIT_FINGERPRINT = 4      # output holds a different job's results; --restart to discard them
+EXIT_INTERRUPTED = 75     # EX_TEMPFAIL: SIGTERM/SIGINT; re-submit to resume
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_JOB, EXIT_INPUT, EXIT_FINGERPRINT, EXIT_MODEL = 0, 1, 2, 3, 4, 5
-EXIT_INTERRUPTED = 75      # EX_TEMPFAIL: retry, the next submit resumes
+PROGRESS_INTERVAL_S = 2.0
+CRASH_ENV = "BATCHRUN_TEST_CRASH_AT"
+
+__all__ = ["JobRunner", "Interrupted", "FingerprintMismatch", "run_job", "EXIT_OK", "EXIT_UNEXPECTED",
+           "EXIT_BAD_JOB", "EXIT_INPUT", "EXIT_FINGERPRINT", "EXIT_INTERRUPTED"]
 
 
-class Interrupted(RuntimeError):
-    pass
+class Interrupted(Exception):
+    """The job stopped on a signal; committed units stay, a re-submit resumes."""
+
+
+class _CrashHook:
+    """Test hook: BATCHRUN_TEST_CRASH_AT=point:n SIGKILLs this process the n-th time `point` is reached.
+    Points: step (after an engine step), mid_write (part bytes written, not yet published), after_part
+    (published, no done marker yet), after_done (marker written), before_success (summary written)."""
+
+    def __init__(self, value: Optional[str]):
+        self.point, self.n, self.count = None, 1, 0
+        if value:
+            point, _, n = value.partition(":")
+            self.point, self.n = point, int(n or 1)
+        self.lock = threading.Lock()
+
+    def __call__(self, point: str) -> None:
+        if point != self.point:
+            return
+        with self.lock:
+            self.count += 1
+            if self.count >= self.n:
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
+class _Prepared:
+    """One unit read and rendered: what the collector and writer need."""
+    unit: Unit
+    table: pa.Table          # id + passthrough columns, input order
+    rendered: Rendered
+
+
 class _UnitState:
-    work: UnitWork
-    outputs: list = field(default_factory=list)
-    remaining: int = 0
+    __slots__ = ("prep", "outputs", "remaining")
+
+    def __init__(self, prep: _Prepared):
+        self.prep = prep
+        self.outputs: list[Any] = [None] * prep.unit.num_rows
+        self.remaining = sum(1 for e in prep.rendered.errors if e is None)
 
 
-def _model_identity(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "config.json"), "rb") as f:
-        cfg = hashlib.sha256(f.read()).hexdigest()
-    files = sorted((n, os.path.getsize(os.path.join(path, n))) for n in os.listdir(path)
-                   if n.endswith(".safetensors"))
-    return {"config_sha256": cfg, "weights": files}
+_END = object()
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class JobRunner:
-    """Plan, validate and run one job. Validation (input, columns, model config, fingerprint) happens in
-    prepare(), before any weight loads; run() loads the engine and streams."""
+    """Runs one job to completion (or to a signal) over a plan from batchrun.job.plan.make_plan.
 
-    def __init__(self, spec: JobSpec, restart: bool = False, progress_bar: bool = True):
-        self.spec = spec
+    engine_factory(tokenizer) -> LLMEngine: injectable for embedding; default builds LLMEngine from
+    the job's model and engine sections.
+    """
+
+    def __init__(self, plan: JobPlan, restart: bool = False, progress_bar: bool = True,
+                 engine_factory: Optional[Callable[[Any], Any]] = None, log: Callable[[str], None] = None):
+        self.plan = plan
+        self.spec: JobSpec = plan.spec
         self.restart = restart
         self.progress_bar = progress_bar
+        self.engine_factory = engine_factory or self._default_engine
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.crash = _CrashHook(os.environ.get(CRASH_ENV))
+        self.params = self.spec.sampling_params()
         self.stop = threading.Event()
+        self.stop_reason: Optional[str] = None
         self._lock = threading.Lock()
-        self._errors: list[BaseException] = []
-        self.rows_done = self.tokens_out = self.tokens_in = self.error_rows = self.units_committed = 0
+        self._committed_rows = 0
+        self._committed_units = 0
+        self._committed_out_tokens = 0
+        self._finished_rows = 0
+        self._writer_error: Optional[BaseException] = None
 
-    # -- validation, no weights ------------------------------------------------------------------
-    def prepare(self) -> None:
-        """plan(), then open the output: manifest written or checked, committed units listed."""
-        self.plan()
-        self.open_output()
-
-    def plan(self) -> None:
-        """Everything that can fail before weights load, writing nothing: input listing, columns,
-        model config, tokenizer, units."""
-        from batchrun.models.loader import inspect_model
-        from batchrun.tokenizer import Tokenizer
-        spec, inp = self.spec, self.spec.input
-        self.source = open_source(inp.uri, inp.format, inp.storage_options)
-        names = self.source.schema.names
-        for col in inp.columns():
-            if col not in names:
-                raise InputError(f"{inp.uri}: column {col!r} not found (columns: {', '.join(names)})")
-        self.model_info = inspect_model(spec.model.path)
-        self.tokenizer = Tokenizer.from_dir(spec.model.path)
-        self.units = self.source.units(spec.plan.unit_rows)
-
-    def open_output(self) -> None:
-        spec, inp = self.spec, self.spec.input
-        self.sink = ParquetSink(spec.output.uri, spec.output.storage_options)
-        self.ledger = Ledger(self.sink)
-        parts = {
-            "model": _model_identity(spec.model.path),
-            "sampling": spec.sampling.model_dump(),
-            "rendering": inp.model_dump(exclude={"uri", "storage_options", "format"})
-                         | {"include_prompt": spec.output.include_prompt},
-            "input": self.source.listing.fingerprint(),
-            "unit_rows": spec.plan.unit_rows,
-        }
-        manifest = {"job": spec.name, "fingerprint": fingerprint(parts), "parts": parts,
-                    "num_units": len(self.units), "num_rows": self.source.num_rows,
-                    "created": time.time()}
-        self.resumed = self.ledger.check_manifest(manifest, self.restart)
-        self.done = self.ledger.done_units()
-        self.pending = [u for u in self.units if u.index not in self.done]
-
-    # -- the run -----------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
+    def _default_engine(self, tokenizer):
         from batchrun.engine.config import EngineConfig
         from batchrun.engine.engine import LLMEngine
-        spec = self.spec
-        t_start = time.perf_counter()
-        self.engine = LLMEngine(EngineConfig(model=spec.model.path, dtype=spec.model.dtype,
-                                             **spec.engine_kwargs()), self.tokenizer)
-        self.params = spec.sampling_params()
-        self.metadata = {"batchrun.job": spec.name, "batchrun.model": os.path.basename(spec.model.path.rstrip("/")),
-                         "batchrun.architecture": self.model_info.architecture,
-                         "batchrun.sampling": spec.sampling.model_dump()}
-        in_q: queue.Queue = queue.Queue(maxsize=2)
-        out_q: queue.Queue = queue.Queue(maxsize=4 * spec.plan.window_units)
-        reader = threading.Thread(target=self._reader, args=(in_q,), name="batchrun-reader", daemon=True)
-        writer = threading.Thread(target=self._writer, args=(out_q,), name="batchrun-writer", daemon=True)
-        rows_total = sum(u.num_rows for u in self.pending)
-        bar = None
-        if self.progress_bar:
-            from tqdm import tqdm
-            bar = tqdm(total=rows_total, unit="row", desc=spec.name, dynamic_ncols=True)
-        self._bar = bar
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        reader.start()
-        writer.start()
-        t_run = time.perf_counter()
-        busy = 0.0
+        cfg = EngineConfig(model=self.spec.model.path, dtype=self.spec.model.dtype, **self.spec.engine_kwargs())
+        return LLMEngine(cfg, tokenizer=tokenizer)
+
+    # -- entry ---------------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Run the job; returns the summary. Raises FingerprintMismatch, Interrupted, InputError."""
+        spec, plan = self.spec, self.plan
+        self.t_start = time.time()
+        self.sink = ParquetSink(spec.output.uri, spec.output.storage_options)
+        self.ledger = Ledger(self.sink)
+        done = self.ledger.open(plan.fingerprint, plan.info(), restart=self.restart)
+        todo = [u for u in plan.units if u.index not in done]
+        self.units_done_before = len(done)
+        self.rows_done_before = sum(int(m.get("rows", 0)) for m in done.values())
+        self.rows_todo = sum(u.num_rows for u in todo)
+        if done:
+            self.log(f"batchrun: resuming {spec.name}: {len(done)} of {len(plan.units)} units already "
+                     f"committed, {len(todo)} to go")
+        self.engine_s = 0.0
+        self.loop_s = 0.0
+        self.stats: dict = {}
+        self.memory_ledger: dict = {}
+        old_handlers = self._install_signals()
         try:
-            busy = self._engine_loop(in_q, out_q)
+            if todo:
+                self._run_units(todo)
+            if self.stop.is_set():
+                self._progress("interrupted")
+                raise Interrupted(f"stopped by {self.stop_reason}: {self._committed_units} unit(s) committed "
+                                  f"this run; re-submit to resume")
+            summary = self._summary()
+            self.ledger.finish(summary, before_success=lambda: self.crash("before_success"))
+            self._progress("finished")
+            return summary
+        except (Interrupted, FingerprintMismatch):
+            raise
+        except BaseException:
+            self._progress("failed")
+            raise
         finally:
-            out_q.put(None)
-            writer.join()
+            self._restore_signals(old_handlers)
+
+    def _install_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum, frame):
+            if self.stop.is_set():      # a second signal: leave now, nothing half-visible stays
+                os._exit(EXIT_INTERRUPTED)
+            self.stop_reason = signal.Signals(signum).name
             self.stop.set()
-            for s, h in old.items():
-                signal.signal(s, h)
+        return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    @staticmethod
+    def _restore_signals(old) -> None:
+        for s, h in (old or {}).items():
+            signal.signal(s, h)
+
+    # -- the three stages -------------------------------------------------------------------------
+    def _run_units(self, todo: list[Unit]) -> None:
+        spec = self.spec
+        read_q: queue.Queue = queue.Queue(maxsize=1)        # one window ready ahead of the engine
+        write_q: queue.Queue = queue.Queue(maxsize=max(2, 2 * spec.plan.window_units))
+        reader = threading.Thread(target=self._reader, args=(todo, read_q), name="batchrun-reader", daemon=True)
+        writer = threading.Thread(target=self._writer, args=(write_q,), name="batchrun-writer", daemon=True)
+        reader.start()               # reads and tokenizes while the weights load
+        writer.start()
+        self._reader_thread = reader
+        try:
+            self.engine = self.engine_factory(self.plan.tokenizer)
+            self.memory_ledger = dict(self.engine.memory_ledger)
+            self._engine_loop(read_q, write_q)
+        finally:
+            self.stop_reading = True
+            self._put(write_q, _END, force=True)
+            writer.join()
+            if hasattr(self, "engine"):
+                self.stats = dict(self.engine.stats)
+        if self._writer_error is not None:
+            raise self._writer_error
+
+    def _put(self, q: queue.Queue, item, force: bool = False) -> bool:
+        """Put with a timeout loop so a stop or a dead consumer never deadlocks us."""
+        while True:
+            if not force and (self.stop.is_set() or getattr(self, "stop_reading", False)):
+                return False
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                if force and self._writer_error is not None:
+                    return False
+
+    def _reader(self, todo: list[Unit], read_q: queue.Queue) -> None:
+        spec, plan = self.spec, self.plan
+        cols = [c for c in spec.input.columns()]
+        try:
+            for window in windows(todo, spec.plan.window_units):
+                preps = []
+                for unit in window:
+                    if self.stop.is_set() or getattr(self, "stop_reading", False):
+                        return
+                    table = plan.source.read(unit, cols)
+                    rendered = render(spec, table, plan.tokenizer)
+                    keep = [c for c in [spec.input.id_column, *spec.input.passthrough] if c]
+                    preps.append(_Prepared(unit, table.select(list(dict.fromkeys(keep))), rendered))
+                reqs = [(p.unit.index, i, ids, p.rendered.prompts[i]) for p in preps
+                        for i, ids in enumerate(p.rendered.token_ids) if p.rendered.errors[i] is None]
+                if spec.plan.order == "length":
+                    order = length_order([r[2] for r in reqs], self.params.max_tokens, spec.engine.block_size)
+                    reqs = [reqs[i] for i in order]
+                if not self._put(read_q, (preps, reqs)):
+                    return
+            self._put(read_q, _END)
+        except BaseException as e:   # noqa: BLE001 - handed to the main thread, which re-raises
+            self._put(read_q, ("error", e))
+
+    def _engine_loop(self, read_q: queue.Queue, write_q: queue.Queue) -> None:
+        eng = self.engine
+        max_seqs = self.spec.engine.max_num_seqs
+        target = 2 * max_seqs            # queued beyond the running batch, so admission never starves
+        states: dict[int, _UnitState] = {}
+        pending: deque = deque()
+        reader_done = False
+        bar = self._bar()
+        t0 = time.perf_counter()
+        last_progress = last_bar = 0.0
+        finished_since_bar = 0
+        try:
+            while not self.stop.is_set():
+                if self._writer_error is not None:
+                    return
+                # top up from the next window before this one drains
+                while eng.num_unfinished_requests() < target:
+                    if not pending:
+                        if reader_done:
+                            break
+                        idle = not eng.has_unfinished_requests()
+                        try:
+                            item = read_q.get(timeout=0.2) if idle else read_q.get_nowait()
+                        except queue.Empty:
+                            break
+                        if item is _END:
+                            reader_done = True
+                            break
+                        if isinstance(item, tuple) and len(item) == 2 and item[0] == "error":
+                            raise item[1]
+                        preps, reqs = item
+                        for p in preps:
+                            st = _UnitState(p)
+                            if st.remaining == 0:        # every row failed to render
+                                self._put(write_q, st, force=True)
+                            else:
+                                states[p.unit.index] = st
+                        pending.extend(reqs)
+                        continue
+                    k, i, ids, prompt = pending.popleft()
+                    eng.add_request(f"{k}:{i}", ids, self.params, prompt=prompt)
+                if not eng.has_unfinished_requests():
+                    if reader_done and not pending:
+                        break
+                    continue
+                s = time.perf_counter()
+                outs = eng.step()
+                self.engine_s += time.perf_counter() - s
+                self.crash("step")
+                for out in outs:
+                    k, _, i = out.request_id.partition(":")
+                    st = states[int(k)]
+                    st.outputs[int(i)] = out
+                    st.remaining -= 1
+                    if st.remaining == 0:
+                        del states[int(k)]
+                        self._put(write_q, st, force=True)
+                finished_since_bar += len(outs)
+                now = time.perf_counter()
+                if now - last_bar >= 0.5 and finished_since_bar:
+                    self._count_finished(finished_since_bar, bar, now - t0)
+                    finished_since_bar, last_bar = 0, now
+                if now - last_progress >= PROGRESS_INTERVAL_S:
+                    self.loop_s = now - t0
+                    self._progress("running")
+                    last_progress = now
+        finally:
+            self.loop_s = time.perf_counter() - t0
+            self._count_finished(finished_since_bar, bar, self.loop_s)
             if bar is not None:
                 bar.close()
-        wall = time.perf_counter() - t_run
-        if self._errors:
-            raise self._errors[0]
-        interrupted = self.rows_done < rows_total
-        summary = self._summary(wall, busy, time.perf_counter() - t_start, interrupted)
-        if interrupted:
-            self._progress("interrupted", t_run)
-            raise Interrupted(f"stopped by signal after {self.units_committed} units; resubmit to resume")
-        crash_point("before_success")
-        self.ledger.finish(summary)
-        self._progress("finished", t_run)
-        return summary
 
-    def _on_signal(self, signum, frame) -> None:
-        if self.stop.is_set():
-            os._exit(EXIT_INTERRUPTED)       # a second signal: leave now, nothing half-written is published
-        log.warning("signal %d: no new work admitted; finished units are committed, the rest resumes later", signum)
-        self.stop.set()
+    def _count_finished(self, n: int, bar, elapsed: float) -> None:
+        with self._lock:
+            self._finished_rows += n
+        if bar is not None and n:
+            bar.update(n)
+            bar.set_postfix_str(f"{self.engine.stats['output_tokens'] / max(elapsed, 1e-9):.0f} tok/s",
+                                refresh=False)
 
-    def _reader(self, in_q: queue.Queue) -> None:
-        try:
-            w = self.spec.plan.window_units
-            for i in range(0, len(self.pending), w):
-                if self.stop.is_set():
-                    break
-                works = [self._read_unit(u) for u in self.pending[i:i + w]]
-                while not self.stop.is_set():
-                    try:
-                        in_q.put(works, timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
-        except BaseException as e:       # surfaced by the main thread
-            self._errors.append(e)
-            self.stop.set()
-        finally:
-            in_q.put(None)
-
-    def _read_unit(self, unit: Unit) -> UnitWork:
-        spec, inp = self.spec, self.spec.input
-        table = self.source.read(unit, inp.columns() or None)
-        prompts, errors = render(spec, table, self.tokenizer)
-        token_ids = tokenize(spec, prompts, self.tokenizer)
-        ids = (table.column(inp.id_column).to_pylist() if inp.id_column
-               else list(range(unit.first_row, unit.first_row + unit.num_rows)))
-        keep = list(dict.fromkeys(inp.passthrough))
-        return UnitWork(unit, table.select(keep), ids, prompts, token_ids, errors)
-
-    def _engine_loop(self, in_q: queue.Queue, out_q: queue.Queue) -> float:
-        eng = self.engine
-        topup = 2 * eng.config.max_num_seqs
-        states: dict[int, _UnitState] = {}
-        reader_done = False
-        busy = 0.0
-        last_progress = 0.0
-        t0 = time.perf_counter()
-        while not self.stop.is_set():
-            while not reader_done and eng.num_unfinished_requests() < topup:
-                try:   # block only when the engine has nothing to do
-                    works = in_q.get(timeout=0.2) if not eng.has_unfinished_requests() else in_q.get_nowait()
-                except queue.Empty:
-                    break
-                if works is None:
-                    reader_done = True
-                    break
-                self._admit(works, states, out_q)
-            if not eng.has_unfinished_requests():
-                if reader_done and not states:
-                    break
+    def _writer(self, write_q: queue.Queue) -> None:
+        spec = self.spec
+        meta = {"batchrun.job": spec.name, "batchrun.model": spec.model.path,
+                "batchrun.sampling": spec.sampling.model_dump(mode="json"),
+                "batchrun.fingerprint": fingerprint_hash(self.plan.fingerprint)}
+        while True:
+            st = write_q.get()
+            if st is _END:
+                return
+            if self._writer_error is not None:
                 continue
-            t = time.perf_counter()
-            finished = eng.step()
-            busy += time.perf_counter() - t
-            crash_point("step")
-            for out in finished:
-                u, r = map(int, out.request_id.split(":"))
-                st = states[u]
-                st.outputs[r] = out
-                st.remaining -= 1
-                if st.remaining == 0:
-                    out_q.put(states.pop(u))
-            now = time.perf_counter()
-            if now - last_progress > 2.0:
-                self._progress("running", t0)
-                last_progress = now
-        return busy
+            try:
+                table, stats = self._result_table(st)
+                unit = st.prep.unit
+                c = self.sink.commit(unit.index, table, {**meta, "batchrun.unit": str(unit.index)},
+                                     before_publish=lambda: self.crash("mid_write"))
+                self.crash("after_part")
+                self.ledger.mark_done(unit.index, {
+                    "unit": unit.index, "file": part_name(unit.index), "bytes": c.bytes, "sha256": c.sha256,
+                    "rows": table.num_rows, **stats, "committed_at": time.time(),
+                    "input": {"path": unit.path, "row_start": unit.row_start, "num_rows": unit.num_rows}})
+                self.crash("after_done")
+                with self._lock:
+                    self._committed_units += 1
+                    self._committed_rows += table.num_rows
+                    self._committed_out_tokens += stats["output_tokens"]
+            except BaseException as e:   # noqa: BLE001 - surfaced by the main thread
+                self._writer_error = e
+                self.stop.set()
+                self.stop_reason = "writer error"
 
-    def _admit(self, works: list[UnitWork], states: dict[int, _UnitState], out_q: queue.Queue) -> None:
-        for w in works:
-            st = _UnitState(w, [None] * len(w.ids), sum(1 for e in w.errors if e is None))
-            if st.remaining == 0:
-                out_q.put(st)
-            else:
-                states[w.unit.index] = st
-        for wi, r in order_window(works, self.params.max_tokens, self.spec.plan.order):
-            w = works[wi]
-            self.engine.add_request(f"{w.unit.index}:{r}", w.token_ids[r], self.params)
-
-    def _writer(self, out_q: queue.Queue) -> None:
-        try:
-            while True:
-                st = out_q.get()
-                if st is None:
-                    return
-                if self._errors:
-                    continue
-                self._commit(st)
-        except BaseException as e:
-            self._errors.append(e)
-            self.stop.set()
-            while out_q.get() is not None:     # keep the engine loop from blocking on a full queue
-                pass
-
-    def _commit(self, st: _UnitState) -> None:
-        w, outs = st.work, st.outputs
+    def _result_table(self, st: _UnitState) -> tuple[pa.Table, dict]:
+        """The output rows of one unit, in input order (DESIGN.md's schema)."""
+        spec, prep, outs = self.spec, st.prep, st.outputs
+        r = prep.rendered
+        n = prep.unit.num_rows
+        tok = self.plan.tokenizer
         todo = [o for o in outs if o is not None and o.text is None and o.finish_reason != "error"]
         if todo:
-            for o, t in zip(todo, self.tokenizer.decode_batch([o.token_ids for o in todo],
-                                                              skip_special_tokens=self.params.skip_special_tokens)):
+            texts = tok.decode_batch([o.token_ids for o in todo], skip_special_tokens=self.params.skip_special_tokens)
+            for o, t in zip(todo, texts):
                 o.text = t
-        n = len(w.ids)
-        text, reason, err, ptok, otok = [], [], [], [], []
+        output, reason, error, ptok, otok = [], [], [], [], []
         for i in range(n):
             o = outs[i]
-            if o is None:                                   # failed before the engine (render)
-                text.append(None); reason.append("error"); err.append(w.errors[i]); ptok.append(0); otok.append(0)
+            if o is None:
+                output.append(None); reason.append("error"); error.append(r.errors[i])
+                ptok.append(0); otok.append(0)
+            elif o.finish_reason == "error":
+                output.append(None); reason.append("error"); error.append(o.error or "error")
+                ptok.append(len(o.prompt_token_ids)); otok.append(0)
             else:
-                text.append(o.text if o.finish_reason != "error" else None)
-                reason.append(o.finish_reason); err.append(o.error)
-                ptok.append(o.metrics.prompt_tokens); otok.append(o.metrics.output_tokens)
-        cols = {"id": pa.array(w.ids), "output": pa.array(text, pa.string()),
-                "finish_reason": pa.array(reason, pa.string()), "error": pa.array(err, pa.string()),
-                "prompt_tokens": pa.array(ptok, pa.int32()), "output_tokens": pa.array(otok, pa.int32())}
-        for c in w.table.column_names:
-            if c not in cols:
-                cols[c] = w.table.column(c)
-        if self.spec.output.include_prompt:
-            cols["prompt"] = pa.array(w.prompts, pa.string())
-        table = pa.table(cols)
-        info = self.sink.commit(w.unit.index, table, self.metadata, before_publish=lambda: crash_point("before_publish"))
-        crash_point("after_part")
-        errors = sum(1 for r in reason if r == "error")
-        self.ledger.mark_done(w.unit.index, {
-            "unit": w.unit.index, "path": w.unit.path, "row_start": w.unit.row_start, "rows": n,
-            "error_rows": errors, "prompt_tokens": sum(ptok), "output_tokens": sum(otok),
-            "bytes": info["bytes"], "sha256": info["sha256"], "committed": time.time()})
+                output.append(o.text); reason.append(o.finish_reason); error.append(None)
+                ptok.append(len(o.prompt_token_ids)); otok.append(len(o.token_ids))
+        if spec.input.id_column:
+            ids = prep.table.column(spec.input.id_column)
+        else:
+            ids = pa.array(range(prep.unit.first_row, prep.unit.first_row + n), pa.int64())
+        cols = {"id": ids, "output": pa.array(output, pa.string()), "finish_reason": pa.array(reason, pa.string()),
+                "error": pa.array(error, pa.string()), "prompt_tokens": pa.array(ptok, pa.int32()),
+                "output_tokens": pa.array(otok, pa.int32())}
+        for c in spec.input.passthrough:
+            cols[c] = prep.table.column(c)
+        if spec.output.include_prompt:
+            cols["prompt"] = pa.array(r.prompts, pa.string())
+        stats = {"errors": reason.count("error"), "prompt_tokens": sum(ptok), "output_tokens": sum(otok)}
+        return pa.table(cols), stats
+
+    # -- reporting -----------------------------------------------------------------------------
+    def _bar(self):
+        if not self.progress_bar:
+            return None
+        from tqdm import tqdm
+        return tqdm(total=self.rows_todo, desc=self.spec.name, unit="row", file=sys.stderr, dynamic_ncols=True,
+                    mininterval=0.5)
+
+    def _progress(self, state: str) -> None:
+        """Rewrite _batchrun/progress.json (read by `batchrun status` from any process)."""
         with self._lock:
-            self.rows_done += n
-            self.error_rows += errors
-            self.tokens_out += sum(otok)
-            self.tokens_in += sum(ptok)
-            self.units_committed += 1
-        if self._bar is not None:
-            self._bar.update(n)
+            units, rows, otok, fin = (self._committed_units, self._committed_rows, self._committed_out_tokens,
+                                      self._finished_rows)
+        elapsed = max(time.time() - self.t_start, 1e-9)
+        rate = fin / self.loop_s if self.loop_s > 0 else 0.0
+        remaining = self.rows_todo - rows
+        try:
+            self.ledger.write_progress({
+                "state": state, "job": self.spec.name, "pid": os.getpid(), "host": socket.gethostname(),
+                "started_at": self.t_start, "updated_at": time.time(), "elapsed_s": elapsed,
+                "units_total": len(self.plan.units), "units_done": self.units_done_before + units,
+                "rows_total": self.plan.num_rows, "rows_done": self.rows_done_before + rows,
+                "rows_finished_this_run": fin, "output_tokens_this_run": otok,
+                "rows_per_s": rate, "output_tokens_per_s": otok / elapsed,
+                "eta_s": remaining / rate if rate > 0 and state == "running" else None,
+                "engine_busy_fraction": self.engine_s / self.loop_s if self.loop_s > 0 else None,
+                "interval_s": PROGRESS_INTERVAL_S})
+        except Exception as e:   # noqa: BLE001 - progress is advisory; never fail the job for it
+            self.log(f"batchrun: could not write progress: {e}")
 
-    # -- reporting ----------------------------------------------------------------------------
-    def _progress(self, state: str, t0: float) -> None:
-        el = time.perf_counter() - t0
-        done_before = sum(r.get("rows", 0) for r in self.done.values())
-        self.ledger.write_progress({
-            "state": state, "pid": os.getpid(), "updated": time.time(), "elapsed_s": round(el, 2),
-            "units_total": len(self.units), "units_done": len(self.done) + self.units_committed,
-            "rows_total": self.source.num_rows, "rows_done": done_before + self.rows_done,
-            "rows_per_s": round(self.rows_done / el, 2) if el > 0 else 0.0,
-            "output_tok_s": round(self.tokens_out / el, 2) if el > 0 else 0.0})
-
-    def _summary(self, wall: float, busy: float, total: float, interrupted: bool) -> dict[str, Any]:
-        st = self.engine.stats
-        done_before = self.done.values()
+    def _summary(self) -> dict:
+        markers = self.ledger.done_markers()
+        wall = time.time() - self.t_start
+        rows_run = self._committed_rows
+        st = self.stats
         return {
-            "job": self.spec.name, "output": self.sink.url, "state": "interrupted" if interrupted else "finished",
-            "units": len(self.units), "units_skipped": len(self.done), "units_committed": self.units_committed,
-            "rows": sum(r.get("rows", 0) for r in done_before) + self.rows_done,
-            "rows_this_run": self.rows_done, "error_rows": self.error_rows,
-            "prompt_tokens": self.tokens_in, "output_tokens": self.tokens_out,
-            "seconds": round(wall, 3), "seconds_with_load": round(total, 3),
-            "rows_per_s": round(self.rows_done / wall, 2) if wall > 0 else 0.0,
-            "output_tok_s": round(self.tokens_out / wall, 2) if wall > 0 else 0.0,
-            "engine_busy_fraction": round(busy / wall, 4) if wall > 0 else 0.0,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "prompt_tokens_from_cache_fraction": round(st["prefix_cache_hit_rate"], 4),
-            "engine": {k: st[k] for k in ("steps", "tokens_per_step", "preemptions", "swapped_out_blocks",
-                                          "swapped_in_blocks", "recomputed_tokens", "prefix_cache_hits",
-                                          "prefix_cache_queries", "spec_proposed", "spec_accepted",
-                                          "spec_acceptance_rate", "mean_tokens_per_decode_step",
-                                          "peak_blocks_used", "num_blocks")},
-            "memory_ledger": self.engine.memory_ledger,
+            "job": self.spec.name, "state": "finished", "output": self.sink.url,
+            "units": len(self.plan.units), "units_committed_this_run": self._committed_units,
+            "units_resumed": self.units_done_before,
+            "rows": sum(int(m.get("rows", 0)) for m in markers.values()),
+            "errors": sum(int(m.get("errors", 0)) for m in markers.values()),
+            "prompt_tokens": sum(int(m.get("prompt_tokens", 0)) for m in markers.values()),
+            "output_tokens": sum(int(m.get("output_tokens", 0)) for m in markers.values()),
+            "rows_this_run": rows_run, "wall_s": round(wall, 3),
+            "rows_per_s": round(rows_run / wall, 2) if wall > 0 else None,
+            "output_tokens_per_s": round(self._committed_out_tokens / wall, 2) if wall > 0 else None,
+            "engine_loop_s": round(self.loop_s, 3), "engine_step_s": round(self.engine_s, 3),
+            "engine_busy_fraction": round(self.engine_s / self.loop_s, 4) if self.loop_s > 0 else None,
+            "engine": {k: st[k] for k in ("steps", "tokens_per_step", "preemptions", "peak_blocks_used",
+                                          "num_blocks", "prefix_cache_hit_rate") if k in st},
+            "memory_ledger": self.memory_ledger, "peak_rss_bytes": _peak_rss(),
+            "fingerprint": fingerprint_hash(self.plan.fingerprint),
         }
 
 
-def submit(spec: JobSpec, restart: bool = False, progress_bar: bool = True) -> dict[str, Any]:
-    runner = JobRunner(spec, restart, progress_bar)
-    runner.prepare()
-    return runner.run()
+def run_job(spec: JobSpec, restart: bool = False, progress_bar: bool = True) -> dict:
+    """Plan (no weights), then run. The Python counterpart of `batchrun submit`."""
+    from batchrun.job.plan import make_plan
+    return JobRunner(make_plan(spec), restart=restart, progress_bar=progress_bar).run()

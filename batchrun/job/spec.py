@@ -21,6 +21,9 @@ from batchrun.engine.config import EngineConfig
 from batchrun.outputs import SamplingParams
 
 
+OUTPUT_COLUMNS = ("id", "output", "finish_reason", "error", "prompt_tokens", "output_tokens", "prompt")
+
+
 class JobError(ValueError):
     """A bad job file; the message names the file and the key."""
 
@@ -50,19 +53,32 @@ class InputSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_prompt_source(self):
-        if (self.prompt_column is None) == (self.messages_column is None) and self.prompt_template is None:
-            raise ValueError("set exactly one of prompt_column, messages_column (or a prompt_template)")
         if self.messages_column is not None and (self.prompt_column or self.prompt_template):
             raise ValueError("messages_column cannot be combined with prompt_column or prompt_template")
+        if self.prompt_column is None and self.messages_column is None and self.prompt_template is None:
+            raise ValueError("set exactly one of prompt_column, messages_column (or a prompt_template)")
+        clash = [c for c in self.passthrough if c in OUTPUT_COLUMNS]
+        if clash:
+            raise ValueError(f"passthrough column(s) {', '.join(clash)} would collide with the output's own "
+                             f"columns ({', '.join(OUTPUT_COLUMNS)}); the id is always written as `id`")
+        if len(set(self.passthrough)) != len(self.passthrough):
+            raise ValueError("passthrough lists a column twice")
         return self
 
     def template_fields(self) -> list[str]:
         if self.prompt_template is None:
             return []
         try:
-            return [f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f]
+            names = [f for _, f, _, _ in string.Formatter().parse(self.prompt_template) if f is not None]
         except ValueError as e:
             raise JobError(f"input.prompt_template: {e}") from e
+        fields = []
+        for n in names:
+            base = re.split(r"[.\[]", n, maxsplit=1)[0]
+            if not base or base.isdigit():
+                raise JobError(f"input.prompt_template: placeholder {{{n}}} must name a column, e.g. {{text}}")
+            fields.append(base)
+        return list(dict.fromkeys(fields))
 
     def columns(self) -> list[str]:
         cols = [self.id_column, self.prompt_column, self.messages_column, *self.template_fields(), *self.passthrough]
@@ -140,7 +156,7 @@ def _known_keys(model: type[BaseModel], loc: tuple) -> list[str]:
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
-        loc = tuple(x for x in e["loc"] if not isinstance(x, int) or True)
+        loc = tuple(e["loc"])
         path = ".".join(str(x) for x in loc) or "(top level)"
         if e["type"] == "extra_forbidden":
             known = _known_keys(JobSpec, loc)
@@ -150,7 +166,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
         elif e["type"] == "missing":
             lines.append(f"{path}: required key missing")
         else:
-            lines.append(f"{path}: {e['msg']}")
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{path}: {msg}")
     return f"{source}: invalid job file:\n  " + "\n  ".join(lines)
 
 

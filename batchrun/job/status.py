@@ -1,0 +1,94 @@
+"""Progress of a job from its output alone: works from any process while the job runs.
+
+Done markers are the truth for what is committed; the manifest gives the totals; the progress file
+(rewritten atomically by the runner every few seconds) gives rates, the ETA and whether it is alive.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Optional
+
+from batchrun.connectors import ParquetSink
+from batchrun.job.ledger import SUCCESS, Ledger
+
+STALE_AFTER_S = 15.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def job_status(output_uri: str, storage_options: Optional[dict] = None) -> dict[str, Any]:
+    """State of the job writing to `output_uri`.
+
+    state: "not started" (no manifest), "running", "finished", "interrupted" (stopped on a signal),
+    or "failed" (an error, or the process died without a word: killed, OOM, power loss).
+    """
+    sink = ParquetSink(output_uri, storage_options, create=False)
+    ledger = Ledger(sink)
+    manifest = ledger.read_manifest()
+    out: dict[str, Any] = {"output": sink.url}
+    if manifest is None:
+        out.update(state="not started", detail=f"no {sink.url}/_batchrun/manifest.json")
+        return out
+    markers = ledger.done_markers()
+    prog = ledger.read_progress() or {}
+    units_total, rows_total = manifest.get("units_total"), manifest.get("rows_total")
+    rows_done = sum(int(m.get("rows", 0)) for m in markers.values())
+    out.update(job=manifest.get("job"), units_done=len(markers), units_total=units_total,
+               rows_done=rows_done, rows_total=rows_total,
+               errors=sum(int(m.get("errors", 0)) for m in markers.values()),
+               output_tokens=sum(int(m.get("output_tokens", 0)) for m in markers.values()),
+               rows_per_s=prog.get("rows_per_s"), output_tokens_per_s=prog.get("output_tokens_per_s"),
+               eta_s=None, pid=prog.get("pid"), updated_at=prog.get("updated_at"))
+    if ledger.exists(SUCCESS):
+        out["state"] = "finished"
+        return out
+    state = prog.get("state")
+    age = time.time() - float(prog.get("updated_at") or 0)
+    if state == "running":
+        same_host = prog.get("host") == socket.gethostname()
+        alive = _pid_alive(int(prog["pid"])) if same_host and prog.get("pid") else None
+        if alive is False or (alive is None and age > STALE_AFTER_S + 3 * float(prog.get("interval_s", 2))):
+            state = "failed"
+            out["detail"] = (f"process {prog.get('pid')} is gone without finishing (killed?); "
+                             "re-submit the job to resume")
+        else:
+            rate = prog.get("rows_per_s") or 0
+            if rate and rows_total is not None:
+                out["eta_s"] = max(rows_total - rows_done, 0) / rate
+    elif state is None:
+        state = "failed" if markers or prog else "not started"
+    out["state"] = state
+    return out
+
+
+def _dur(s: Optional[float]) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """Human-readable lines for `batchrun status`."""
+    if st["state"] == "not started":
+        return f"{st['output']}: not started ({st.get('detail', '')})"
+    pct = 100.0 * st["rows_done"] / st["rows_total"] if st.get("rows_total") else 100.0
+    lines = [f"job {st.get('job')} -> {st['output']}: {st['state']}",
+             f"  units {st['units_done']}/{st['units_total']}  rows {st['rows_done']}/{st['rows_total']} "
+             f"({pct:.1f}%)  errors {st['errors']}  output tokens {st['output_tokens']}"]
+    if st["state"] == "running":
+        lines.append(f"  {st.get('rows_per_s') or 0:.1f} rows/s  {st.get('output_tokens_per_s') or 0:.1f} "
+                     f"output tok/s  ETA {_dur(st.get('eta_s'))}")
+    if st.get("detail"):
+        lines.append(f"  {st['detail']}")
+    return "\n".join(lines)
