@@ -100,19 +100,20 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self):
-        from batchrun import kernels
-        self.k = kernels
+        from batchrun.kernels.kv_store import store_kv
+        from batchrun.kernels.paged_decode import paged_decode_attention
+        from batchrun.kernels.paged_prefill import paged_prefill_attention
+        self._store, self._decode, self._prefill = store_kv, paged_decode_attention, paged_prefill_attention
 
     def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        self.k.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: Optional[int]) -> torch.Tensor:
         nd = meta.num_decodes
         B = meta.seq_lens.shape[0]
         if nd == B:
-            return self.k.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                                 scale, sliding_window=sliding_window)
-        return self.k.paged_prefill_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                              meta.block_tables, scale, meta.max_query_len,
-                                              sliding_window=sliding_window)
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                sliding_window=sliding_window, max_seq_len=meta.max_seq_len)
+        return self._prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                             scale, meta.max_query_len, sliding_window=sliding_window)
