@@ -31,7 +31,7 @@ def _err(msg: str) -> None:
 def _fail(code: int, msg: str, as_json: bool = False):
     _err(msg)
     if as_json:
-        print(json.dumps({"state": "failed", "exit_code": code, "error": msg}), flush=True)
+        print(json.dumps({"ok": False, "state": "failed", "exit_code": code, "error": msg}), flush=True)
     raise typer.Exit(code)
 
 
@@ -63,6 +63,8 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
            as_json: bool = typer.Option(False, "--json", help="Print a one-line JSON summary as the last "
                                         "line of stdout."),
            progress: bool = typer.Option(True, "--progress/--no-progress", help="The tqdm bar on stderr."),
+           quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no summary line "
+                                      "(--json still prints its line)."),
            verbose: bool = typer.Option(False, "--verbose", "-v", help="Engine log lines on stderr.")):
     """Run a job to completion, resuming from what an earlier attempt committed."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -73,13 +75,14 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
     from batchrun.job.ledger import FingerprintMismatch
     from batchrun.job.run import Interrupted, JobRunner
     try:
-        summary = JobRunner(plan, restart=restart, progress_bar=progress).run()
+        summary = JobRunner(plan, restart=restart, progress_bar=progress and not quiet).run()
     except FingerprintMismatch as e:
         _fail(EXIT_FINGERPRINT, str(e), as_json)
     except Interrupted as e:
         _err(str(e))
         if as_json:
-            print(json.dumps({"state": "interrupted", "exit_code": EXIT_INTERRUPTED, "error": str(e)}), flush=True)
+            print(json.dumps({"ok": False, "state": "interrupted", "exit_code": EXIT_INTERRUPTED, "error": str(e)}),
+                  flush=True)
         raise typer.Exit(EXIT_INTERRUPTED)
     except (InputError, ValueError) as e:     # ModelError, TokenizerError are ValueErrors naming the file
         _fail(EXIT_INPUT, str(e), as_json)
@@ -89,8 +92,8 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
     summary["exit_code"] = EXIT_OK
     if as_json:
         print(json.dumps(summary, default=str), flush=True)
-    else:
-        print(f"{summary['job']}: {summary['rows']} rows ({summary['errors']} errors) in {summary['units']} units "
+    elif not quiet:
+        print(f"{summary['job']}: {summary['rows']} rows ({summary['error_rows']} errors) in {summary['units']} units "
               f"-> {summary['output']}; this run {summary['rows_this_run']} rows in {summary['wall_s']:.1f}s, "
               f"{summary['output_tokens_per_s'] or 0:.0f} output tok/s, engine busy "
               f"{100 * (summary['engine_busy_fraction'] or 0):.1f}%")

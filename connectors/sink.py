@@ -34,6 +34,20 @@ def is_local(fs) -> bool:
     return "file" in protocols or "local" in protocols
 
 
+def fsync_dir(path: str) -> None:
+    """Make a rename in `path` durable (power loss, not just a killed process)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class Committed:
     path: str
@@ -83,6 +97,7 @@ class ParquetSink:
             if before_publish:
                 before_publish()
             os.replace(tmp, final)
+            fsync_dir(self.root)
         else:
             if before_publish:
                 before_publish()

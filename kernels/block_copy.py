@@ -32,6 +32,8 @@ if HAS_TRITON:
         plane = lc * num_blocks
         vals = tl.load(pool_ptr + (plane + src) * BLOCK_NUMEL + e, mask=ok)
         tl.store(pool_ptr + (plane + dst) * BLOCK_NUMEL + e, vals, mask=ok)
+else:
+    _copy_blocks_kernel = None  # launchers raise before touching them
 
 
 def _check_pool(op: str, name: str, pool) -> None:

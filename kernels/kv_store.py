@@ -25,6 +25,8 @@ if HAS_TRITON:
             tl.store(kc_ptr + dst, k, mask=mask)
             v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
             tl.store(vc_ptr + dst, v, mask=mask)
+else:
+    _store_kv_kernel = None  # launchers raise before touching them
 
 
 def _validate(k, v, k_cache, v_cache, slot_mapping):

@@ -17,19 +17,21 @@ from ._common import FLOAT_DTYPES, HAS_TRITON, check, check_block_tables_on_host
 
 DEFAULT_PARTITION_SIZE = 512   # keys per partition when the context is split
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30   # a window wider than any context
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # window and group size stay runtime values: fewer compiled variants, no cost in the loop
+    @triton.jit(do_not_specialize=["window", "G"])
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr,
-                       qk_scale, window,
+                       qk_scale, window, num_parts, G,
                        stride_qb, stride_qh, stride_ob, stride_oh,
                        stride_cn, stride_cb, stride_ch, stride_btb,
-                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                       G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-                       NUM_PARTS: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+                       SINGLE: tl.constexpr, UPCAST: tl.constexpr,
                        PRECISION: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -47,9 +49,9 @@ if HAS_TRITON:
             q = q.to(tl.float32)
 
         lo = part * PARTITION
-        hi = tl.minimum(lo + PARTITION, seq_len)
-        if USE_WINDOW:  # the query sits at seq_len - 1 and sees keys j > seq_len - 1 - window
-            lo = tl.maximum(lo, seq_len - window)
+        # the last partition runs to the end: a max_seq_len hint below a real length costs speed, not keys
+        hi = tl.where(part == num_parts - 1, seq_len, tl.minimum(lo + PARTITION, seq_len))
+        lo = tl.maximum(lo, seq_len - window)   # the query at seq_len - 1 sees keys j > seq_len - 1 - window
 
         m_i = tl.full([G_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([G_PAD], tl.float32)
@@ -79,33 +81,43 @@ if HAS_TRITON:
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         out_mask = g_ok[:, None] & d_ok[None, :]
-        if NUM_PARTS == 1:
+        if SINGLE:
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
-            # scratch layout: po [B, Hq, NUM_PARTS, D_PAD], plse [B, Hq, NUM_PARTS] (log2 domain)
-            row = (b * (tl.num_programs(1) * G) + heads) * NUM_PARTS + part
+            # scratch layout: po [B, Hq, num_parts, D_PAD], plse [B, Hq, num_parts] (log2 domain)
+            row = (b * (tl.num_programs(1) * G) + heads) * num_parts + part
             tl.store(po_ptr + row[:, None] * D_PAD + d[None, :], o, mask=out_mask)
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
             tl.store(plse_ptr + row, lse, mask=g_ok)
 
     @triton.jit
-    def _reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh,
-                       HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                       NUM_PARTS: tl.constexpr, P_PAD: tl.constexpr):
+    def _reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, num_parts,
+                       HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P_CHUNK: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
-        p = tl.arange(0, P_PAD)
         d = tl.arange(0, D_PAD)
-        row = (b * HQ + h) * NUM_PARTS
-        lse = tl.load(plse_ptr + row + p, mask=p < NUM_PARTS, other=float("-inf"))
-        m = tl.max(lse, 0)
+        row = (b * HQ + h) * num_parts
+        m_vec = tl.full([P_CHUNK], float("-inf"), tl.float32)
+        for p0 in range(0, num_parts, P_CHUNK):
+            p = p0 + tl.arange(0, P_CHUNK)
+            m_vec = tl.maximum(m_vec, tl.load(plse_ptr + row + p, mask=p < num_parts, other=float("-inf")))
+        m = tl.max(m_vec, 0)
         m = tl.where(m == float("-inf"), 0.0, m)   # an empty context: all weights 0, output 0
-        w = tl.exp2(lse - m)
-        o = tl.load(po_ptr + (row + p)[:, None] * D_PAD + d[None, :], mask=(p < NUM_PARTS)[:, None], other=0.0)
-        total = tl.sum(w, 0)
-        res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+        w_vec = tl.zeros([P_CHUNK], tl.float32)
+        acc = tl.zeros([P_CHUNK, D_PAD], tl.float32)
+        for p0 in range(0, num_parts, P_CHUNK):
+            p = p0 + tl.arange(0, P_CHUNK)
+            p_ok = p < num_parts
+            w = tl.exp2(tl.load(plse_ptr + row + p, mask=p_ok, other=float("-inf")) - m)
+            o = tl.load(po_ptr + (row + p)[:, None] * D_PAD + d[None, :], mask=p_ok[:, None], other=0.0)
+            acc += o * w[:, None]
+            w_vec += w
+        total = tl.sum(w_vec, 0)
+        res = tl.sum(acc, 0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
+else:
+    _decode_kernel = _reduce_kernel = None  # launchers raise before touching them
 
 
 def _validate(op, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
@@ -143,8 +155,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous; block_tables [B, max_blocks]
     int32; seq_lens [B] int32 (context length including the query token, which sits at seq_lens[b] - 1).
-    Returns [B, Hq, D] in q's dtype. max_seq_len, a host-side bound on seq_lens (default: the block table
-    width times block_size), decides the number of context partitions of partition_size keys each.
+    Returns [B, Hq, D] in q's dtype. max_seq_len, a host-side hint of the longest context (default: the
+    block table width times block_size), sets the number of context partitions of partition_size keys;
+    the last partition takes whatever lies past the hint, so a low hint is slower, never wrong.
     """
     op = "paged_decode_attention"
     _validate(op, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
@@ -163,7 +176,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     G = hq // hkv
     # tl.dot needs M >= 16 on GPUs: pad the head group
     g_pad = next_pow2(G) if interp else max(16, next_pow2(G))
-    d_pad = next_pow2(d)
+    d_pad = max(16, next_pow2(d))                # tl.dot needs K >= 16
     if parts > 1:
         po = torch.empty(B, hq, parts, d_pad, dtype=torch.float32, device=q.device)
         plse = torch.empty(B, hq, parts, dtype=torch.float32, device=q.device)
@@ -173,15 +186,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _decode_kernel[(B, hkv, parts)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
-        float(scale) * _LOG2E, sliding_window or 0,
+        float(scale) * _LOG2E, _NO_WINDOW if sliding_window is None else sliding_window, parts, G,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        G=G, G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_N=block_n, PARTITION=partition_size,
-        NUM_PARTS=parts, USE_WINDOW=sliding_window is not None, UPCAST=upcast, PRECISION=precision,
+        G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_N=block_n, PARTITION=partition_size,
+        SINGLE=parts == 1, UPCAST=upcast, PRECISION=precision,
         num_warps=4)
     if parts > 1:
-        _reduce_kernel[(B, hq)](po, plse, out, out.stride(0), out.stride(1),
-                                HQ=hq, D=d, D_PAD=d_pad, NUM_PARTS=parts, P_PAD=next_pow2(parts),
+        _reduce_kernel[(B, hq)](po, plse, out, out.stride(0), out.stride(1), parts,
+                                HQ=hq, D=d, D_PAD=d_pad, P_CHUNK=min(16, next_pow2(parts)),
                                 num_warps=4)
     return out
 

@@ -16,19 +16,21 @@ from ._common import FLOAT_DTYPES, HAS_TRITON, check, check_block_tables_on_host
     next_pow2, ready_to_launch
 
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30   # a window wider than any context
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the window stays a runtime value: fewer compiled variants, no cost in the loop
+    @triton.jit(do_not_specialize=["window"])
     def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, qsl_ptr, lens_ptr, bt_ptr, out_ptr,
                         qk_scale, window,
                         stride_qt, stride_qh, stride_ot, stride_oh,
                         stride_cn, stride_cb, stride_ch, stride_btb,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                        USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         b = tl.program_id(0)
         qt = tl.program_id(1)
@@ -54,9 +56,7 @@ if HAS_TRITON:
                 q = q.to(tl.float32)
 
             hi = ctx0 + tl.minimum(tile0 + BLOCK_Q, q_len)   # one past the tile's last position
-            lo = 0
-            if USE_WINDOW:
-                lo = tl.maximum(ctx0 + tile0 - window + 1, 0)
+            lo = tl.maximum(ctx0 + tile0 - window + 1, 0)
 
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -74,9 +74,7 @@ if HAS_TRITON:
                     k = k.to(tl.float32)
                     v = v.to(tl.float32)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # log2 domain
-                visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
-                if USE_WINDOW:
-                    visible = visible & (pos[:, None] - n[None, :] < window)
+                visible = n_ok[None, :] & (n[None, :] <= pos[:, None]) & (pos[:, None] - n[None, :] < window)
                 s = tl.where(visible, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 # a row may see nothing yet (padding rows, window): keep it at exactly 0 instead of NaN
@@ -90,6 +88,8 @@ if HAS_TRITON:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + (q_start + qi)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh
                      + d[None, :], o.to(out_ptr.dtype.element_ty), mask=io_mask)
+else:
+    _prefill_kernel = None  # launchers raise before touching them
 
 
 def _validate(op, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len,
@@ -159,11 +159,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (B, -(-max_query_len // block_q), hkv)
     _prefill_kernel[grid](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out,
-        float(scale) * _LOG2E, sliding_window or 0,
+        float(scale) * _LOG2E, _NO_WINDOW if sliding_window is None else sliding_window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        G=G, G_PAD=g_pad, D=d, D_PAD=next_pow2(d), BLOCK_SIZE=bs, BLOCK_Q=block_q, BLOCK_N=block_n,
-        USE_WINDOW=sliding_window is not None, UPCAST=interp and q.dtype == torch.bfloat16,
+        G=G, G_PAD=g_pad, D=d, D_PAD=max(16, next_pow2(d)), BLOCK_SIZE=bs, BLOCK_Q=block_q, BLOCK_N=block_n,
+        UPCAST=interp and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 

@@ -45,6 +45,8 @@ if HAS_TRITON:
             j = 2 * HALF + tl.arange(0, TAIL_PAD)[None, :]
             tok = (h < H) & (j < D)
             tl.store(obase + j, tl.load(base + j, mask=tok), mask=tok)
+else:
+    _rotary_kernel = None  # launchers raise before touching them
 
 
 def _split_cache(op: str, cos_sin_cache: CosSin, device) -> tuple[torch.Tensor, torch.Tensor]:

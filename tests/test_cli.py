@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from batchrun.cli import app
 from batchrun.job.run import EXIT_BAD_JOB, EXIT_FINGERPRINT, EXIT_INPUT, EXIT_OK, JobRunner
 from batchrun.tokenizer import Tokenizer
-from test_job_common import counts, job_dict, prompt_texts, reference, tiny_model, write_job, write_prompt_files  # noqa: F401,E501
+from test_job_common import counts, job_dict, tiny_model, write_job, write_prompt_files  # noqa: F401 - fixture
 
 
 def invoke(*args):
@@ -141,7 +141,7 @@ def test_fingerprint_mismatch_refused_then_restart(job_dir, tiny_model):  # noqa
     assert duckdb.connect().execute(f"SELECT max(output_tokens) FROM read_parquet('{out}/*.parquet')").fetchone()[0] == 3
     # engine knobs are not part of the fingerprint: a tuned re-submit resumes (here: nothing left)
     r = invoke("submit", changed, "--no-progress", "--json", "--set", "engine.max_num_seqs=7")
-    assert r.exit_code == EXIT_OK and json.loads(r.stdout.strip().splitlines()[-1])["units_committed_this_run"] == 0
+    assert r.exit_code == EXIT_OK and json.loads(r.stdout.strip().splitlines()[-1])["units_committed"] == 0
 
 
 # -- validate, query, status, demo ------------------------------------------------------------------
@@ -150,7 +150,8 @@ def test_validate_prints_the_plan_without_loading_weights(job_dir, tiny_model, n
     r = invoke("validate", job, "--json", "--sample", "40")
     assert r.exit_code == EXIT_OK, r.stderr
     rep = json.loads(r.stdout)
-    assert rep["input"]["files"] == 2 and rep["plan"]["rows"] == 60 and rep["plan"]["units"] == 4  # 20-row units of 10-row groups... per file 30 rows
+    # two files of 30 rows in 10-row groups: units of two groups, then one -> 4 units
+    assert rep["input"]["files"] == 2 and rep["plan"]["rows"] == 60 and rep["plan"]["units"] == 4
     tok = Tokenizer.from_dir(tiny_model)
     texts = pq.read_table(job_dir / "in" / "prompts-00.parquet").column("text").to_pylist()[:30]
     texts += pq.read_table(job_dir / "in" / "prompts-01.parquet").column("text").to_pylist()[:10]
@@ -205,5 +206,5 @@ def test_demo_then_submit(tmp_path):
     r = invoke("submit", job, "--json", "--no-progress")
     assert r.exit_code == EXIT_OK, r.stderr
     s = json.loads(r.stdout.strip().splitlines()[-1])
-    assert s["rows"] == 200 and s["errors"] == 0
+    assert s["rows"] == 200 and s["error_rows"] == 0
     assert counts(str(tmp_path / "demo" / "out")) == (200, 200)

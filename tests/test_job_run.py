@@ -65,11 +65,16 @@ def test_cli_end_to_end_2000_prompts_over_several_files(tmp_path, tiny_model):  
     meta = pq.ParquetFile(os.path.join(out, "part-000000.parquet")).schema_arrow.metadata
     assert meta[b"batchrun.job"] == b"test-job" and meta[b"batchrun.model"] == tiny_model.encode()
     assert json.loads(meta[b"batchrun.sampling"])["max_tokens"] == MAX_TOKENS
-    # submitting again is a no-op resume
+    # submitting again is a no-op resume that rewrites nothing
+    stamps = {n: os.stat(os.path.join(out, n)).st_mtime_ns for n in os.listdir(out) if n.endswith(".parquet")}
+    stamps["summary"] = os.stat(os.path.join(out, "_batchrun", "summary.json")).st_mtime_ns
     p = cli("submit", job, "--json", "--no-progress")
     again = json.loads(p.stdout.strip().splitlines()[-1])
-    assert p.returncode == 0 and again["units_committed_this_run"] == 0 and again["rows"] == 2000
+    assert p.returncode == 0 and again["units_committed"] == 0 and again["rows"] == 2000
     assert counts(out) == (2000, 2000)
+    after = {n: os.stat(os.path.join(out, n)).st_mtime_ns for n in os.listdir(out) if n.endswith(".parquet")}
+    after["summary"] = os.stat(os.path.join(out, "_batchrun", "summary.json")).st_mtime_ns
+    assert after == stamps and os.path.exists(os.path.join(out, "_SUCCESS"))
 
 
 def test_bad_rows_are_error_rows_and_the_job_goes_on(tmp_path, tiny_model):  # noqa: F811
@@ -78,7 +83,7 @@ def test_bad_rows_are_error_rows_and_the_job_goes_on(tmp_path, tiny_model):  # n
     inputs = write_prompt_files(str(tmp_path / "in"), 60, files=2, texts=texts)
     out = str(tmp_path / "out")
     summary = run_inprocess(job_dict(tiny_model, str(tmp_path / "in"), out, plan={"unit_rows": 20}))
-    assert summary["rows"] == 60 and summary["errors"] == 3
+    assert summary["rows"] == 60 and summary["error_rows"] == 3
     rows = {r[0]: r for r in results(out)}
     assert rows["r00005"][1:4] == (None, "error", "null prompt (column 'text')")
     assert rows["r00017"][1:4] == (None, "error", "empty prompt")
@@ -97,7 +102,7 @@ def test_a_template_failing_on_one_row(tmp_path, tiny_model):  # noqa: F811
     summary = run_inprocess(job_dict(tiny_model, str(tmp_path / "in"), out,
                                      input={"prompt_column": None, "prompt_template": tmpl},
                                      output={"include_prompt": True}))
-    assert summary["errors"] == 1
+    assert summary["error_rows"] == 1
     rows = {r[0]: r for r in results(out)}
     assert rows["r00007"][2] == "error" and "IndexError" in rows["r00007"][3]
     ok = [i for i in range(30) if i != 7]
@@ -119,7 +124,7 @@ def test_chat_messages_from_jsonl_with_a_rejected_row(tmp_path, tiny_model):  # 
     job = job_dict(tiny_model, str(tmp_path / "c.jsonl"), out, plan={"unit_rows": 5},
                    input={"id_column": "cid", "prompt_column": None, "messages_column": "messages",
                           "passthrough": []})
-    assert run_inprocess(job)["errors"] == 1
+    assert run_inprocess(job)["error_rows"] == 1
     rows = {r[0]: r for r in results(out)}
     assert rows[30][2] == "error" and "Unknown role oracle" in rows[30][3]
     ok = [i for i in range(12) if i != 3]
@@ -188,7 +193,7 @@ def test_memory_filesystem_end_to_end(tiny_model):  # noqa: F811
         got = con.execute("SELECT id, output FROM read_parquet('memory://jobtest/out/*.parquet') ORDER BY id").fetchall()
         assert [g[0] for g in got] == list(range(90))
         assert [g[1] for g in got] == [o.text for o in reference(tiny_model, texts)]
-        assert run_inprocess(job)["units_committed_this_run"] == 0
+        assert run_inprocess(job)["units_committed"] == 0
     finally:
         fs.rm("/jobtest", recursive=True)
 
@@ -216,3 +221,19 @@ def test_status_from_another_process_while_the_job_runs(tmp_path, tiny_model):  
     assert proc.wait(timeout=120) == 0
     st = json.loads(cli("status", out, "--json").stdout)
     assert st["state"] == "finished" and st["units_done"] == 20 and st["rows_done"] == 400
+
+
+def test_a_bad_line_found_mid_job_stops_it_naming_file_and_row(tmp_path, tiny_model):  # noqa: F811
+    from batchrun.connectors import InputError
+    texts = prompt_texts(150, seed=9)
+    lines = [json.dumps({"id": i, "text": t}) for i, t in enumerate(texts)]
+    lines[120] = '{"id": 120, "text": "unterminated'
+    (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
+    out = str(tmp_path / "out")
+    job = job_dict(tiny_model, str(tmp_path / "p.jsonl"), out, plan={"unit_rows": 25, "window_units": 1},
+                   input={"passthrough": []})
+    with pytest.raises(InputError, match=r"p\.jsonl: row 120: not valid JSON"):
+        run_inprocess(job)
+    n, distinct = counts(out)
+    assert n == distinct and 0 < n <= 100            # units before the bad one are committed, once
+    assert json.load(open(os.path.join(out, "_batchrun", "progress.json")))["state"] == "failed"

@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any, Optional
 
-from batchrun.connectors.sink import ParquetSink, part_name
+from batchrun.connectors.sink import ParquetSink, fsync_dir, part_name
 
 MANIFEST = "_batchrun/manifest.json"
 DONE_DIR = "_batchrun/done"
@@ -56,6 +56,7 @@ class Ledger:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            fsync_dir(os.path.dirname(path))
         else:
             self.fs.pipe_file(path, data)
 
@@ -103,7 +104,6 @@ class Ledger:
         created = old.get("created_at") if old is not None and not restart else None
         self.write_json(MANIFEST, {"version": MANIFEST_VERSION, "fingerprint": fingerprint, **plan_info,
                                    "created_at": created or time.time()})
-        self.remove(SUCCESS)
         self.sink.clean_tmp()
         done = self.done_markers(verify=True)
         visible = self.sink.list_parts()

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from batchrun.connectors import ParquetSink, Unit
 from batchrun.connectors.sink import part_name
-from batchrun.job.ledger import FingerprintMismatch, Ledger
+from batchrun.job.ledger import SUCCESS, SUMMARY, FingerprintMismatch, Ledger
 from batchrun.job.plan import JobPlan, Rendered, fingerprint_hash, length_order, render, windows
 from batchrun.job.spec import JobSpec
 
@@ -91,6 +91,11 @@ class _UnitState:
 _END = object()
 
 
+class _ReaderError:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -120,6 +125,7 @@ class JobRunner:
         self._committed_out_tokens = 0
         self._finished_rows = 0
         self._writer_error: Optional[BaseException] = None
+        self._stop_reading = False      # the engine loop is over: the reader must not block on it
 
     def _default_engine(self, tokenizer):
         from batchrun.engine.config import EngineConfig
@@ -146,6 +152,10 @@ class JobRunner:
         self.loop_s = 0.0
         self.stats: dict = {}
         self.memory_ledger: dict = {}
+        if not todo and self.ledger.exists(SUCCESS):
+            stored = self.ledger.read_json(SUMMARY) or {}   # a finished job: report it, rewrite nothing
+            return {**stored, "units_committed": 0, "units_skipped": len(done), "rows_this_run": 0}
+        self.ledger.remove(SUCCESS)
         old_handlers = self._install_signals()
         try:
             if todo:
@@ -191,13 +201,12 @@ class JobRunner:
         writer = threading.Thread(target=self._writer, args=(write_q,), name="batchrun-writer", daemon=True)
         reader.start()               # reads and tokenizes while the weights load
         writer.start()
-        self._reader_thread = reader
         try:
             self.engine = self.engine_factory(self.plan.tokenizer)
             self.memory_ledger = dict(self.engine.memory_ledger)
             self._engine_loop(read_q, write_q)
         finally:
-            self.stop_reading = True
+            self._stop_reading = True
             self._put(write_q, _END, force=True)
             writer.join()
             if hasattr(self, "engine"):
@@ -208,7 +217,7 @@ class JobRunner:
     def _put(self, q: queue.Queue, item, force: bool = False) -> bool:
         """Put with a timeout loop so a stop or a dead consumer never deadlocks us."""
         while True:
-            if not force and (self.stop.is_set() or getattr(self, "stop_reading", False)):
+            if not force and (self.stop.is_set() or self._stop_reading):
                 return False
             try:
                 q.put(item, timeout=0.1)
@@ -224,7 +233,7 @@ class JobRunner:
             for window in windows(todo, spec.plan.window_units):
                 preps = []
                 for unit in window:
-                    if self.stop.is_set() or getattr(self, "stop_reading", False):
+                    if self.stop.is_set() or self._stop_reading:
                         return
                     table = plan.source.read(unit, cols)
                     rendered = render(spec, table, plan.tokenizer)
@@ -239,7 +248,7 @@ class JobRunner:
                     return
             self._put(read_q, _END)
         except BaseException as e:   # noqa: BLE001 - handed to the main thread, which re-raises
-            self._put(read_q, ("error", e))
+            self._put(read_q, _ReaderError(e))
 
     def _engine_loop(self, read_q: queue.Queue, write_q: queue.Queue) -> None:
         eng = self.engine
@@ -269,8 +278,8 @@ class JobRunner:
                         if item is _END:
                             reader_done = True
                             break
-                        if isinstance(item, tuple) and len(item) == 2 and item[0] == "error":
-                            raise item[1]
+                        if isinstance(item, _ReaderError):
+                            raise item.error
                         preps, reqs = item
                         for p in preps:
                             st = _UnitState(p)
@@ -425,11 +434,11 @@ class JobRunner:
         rows_run = self._committed_rows
         st = self.stats
         return {
-            "job": self.spec.name, "state": "finished", "output": self.sink.url,
-            "units": len(self.plan.units), "units_committed_this_run": self._committed_units,
-            "units_resumed": self.units_done_before,
+            "ok": True, "job": self.spec.name, "state": "finished", "output": self.sink.url,
+            "units": len(self.plan.units), "units_committed": self._committed_units,
+            "units_skipped": self.units_done_before,
             "rows": sum(int(m.get("rows", 0)) for m in markers.values()),
-            "errors": sum(int(m.get("errors", 0)) for m in markers.values()),
+            "error_rows": sum(int(m.get("errors", 0)) for m in markers.values()),
             "prompt_tokens": sum(int(m.get("prompt_tokens", 0)) for m in markers.values()),
             "output_tokens": sum(int(m.get("output_tokens", 0)) for m in markers.values()),
             "rows_this_run": rows_run, "wall_s": round(wall, 3),
