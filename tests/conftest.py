@@ -62,6 +62,17 @@ def hf_models(tmp_path_factory):
     return out
 
 
+def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """HF generate, one prompt at a time (no padding), never stopping at EOS: the greedy oracle."""
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            g = hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
 def mixed_prompts(n: int = 32, max_len: int = 400, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     lens = [1, 2, max_len] + [rng.randint(1, max_len) for _ in range(n - 3)]

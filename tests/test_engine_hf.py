@@ -7,7 +7,7 @@ from batchrun import LLM, SamplingParams
 from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
 from batchrun.engine.sequence import Sequence
 from batchrun.models.loader import inspect_model
-from conftest import ARCHS, mixed_prompts
+from conftest import ARCHS, hf_greedy, mixed_prompts
 
 MAX_TOKENS = 64
 
@@ -57,19 +57,12 @@ def test_prefill_chunk_and_decode_logits_match_hf(hf_models, arch):
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_models):
+def hf_outputs(hf_models):
     """HF generate, one prompt at a time (no padding): the oracle for every budget below."""
     prompts = mixed_prompts(32, 400)
     out = {}
     for arch in ARCHS:
-        _, hf = hf_models[arch]
-        res = []
-        for p in prompts:
-            with torch.no_grad():
-                g = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
-            res.append(g[0, len(p):].tolist())
-        out[arch] = res
+        out[arch] = hf_greedy(hf_models[arch][1], prompts, MAX_TOKENS)
     return prompts, out
 
 
@@ -87,9 +80,9 @@ BUDGETS = {
 
 @pytest.mark.parametrize("budget", list(BUDGETS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_generation_token_identical_to_hf(hf_models, hf_greedy, arch, budget):
+def test_greedy_generation_token_identical_to_hf(hf_models, hf_outputs, arch, budget):
     path, _ = hf_models[arch]
-    prompts, expected = hf_greedy
+    prompts, expected = hf_outputs
     kwargs = dict(BUDGETS[budget])
     if "kv_blocks" in kwargs:
         kwargs["kv_cache_memory"] = kv_bytes_for_blocks(path, kwargs.pop("kv_blocks"))

@@ -9,7 +9,7 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.models.loader import inspect_model
-from conftest import VOCAB, mixed_prompts
+from conftest import VOCAB, hf_greedy, mixed_prompts
 
 MAX_TOKENS = 48
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
@@ -32,13 +32,7 @@ def workload():
 def oracle(hf_models):
     path, hf = hf_models["llama"]
     prompts = workload()
-    want = []
-    for p in prompts:
-        with torch.no_grad():
-            g = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-        want.append(g[0, len(p):].tolist())
-    return path, prompts, want
+    return path, prompts, hf_greedy(hf, prompts, MAX_TOKENS)
 
 
 class PoolInvariants:

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from batchrun import LLM, SamplingParams
-from conftest import mixed_prompts
+from conftest import hf_greedy, mixed_prompts
 
 MAX_TOKENS = 12
 
@@ -22,12 +22,7 @@ MAX_TOKENS = 12
 def test_triton_backend_greedy_matches_hf(hf_models, arch):
     path, hf = hf_models[arch]
     prompts = mixed_prompts(6, 120, seed=21)
-    want = []
-    for p in prompts:
-        with torch.no_grad():
-            g = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-        want.append(g[0, len(p):].tolist())
+    want = hf_greedy(hf, prompts, MAX_TOKENS)
     llm = LLM(path, dtype="float32", attention_backend="triton", max_num_batched_tokens=64)
     assert llm.engine.runner.backend.name == "triton"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
