@@ -26,6 +26,11 @@ class AttentionMetadata:
     seq_lens_host: list[int]
 
 
+# Query lengths up to this (decodes, speculative verification) share one batched matmul; longer prefill
+# chunks run SDPA one sequence at a time.
+SHORT_QUERY = 16
+
+
 class TorchAttentionBackend:
     """Paged attention with torch ops: gathers each sequence's blocks, then SDPA with a causal offset mask."""
 
@@ -41,15 +46,31 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
         # q: [T, Hq, D]; caches: [N, bs, Hkv, D]
-        out = torch.empty_like(q)
-        bs = k_cache.shape[1]
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
-        for i in range(nd, len(lens)):
+        B = len(lens)
+        if meta.num_decodes == B:                      # a pure decode step: no index building
+            return self._short(q[:, None], k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                               torch.ones_like(meta.seq_lens), scale, sliding_window)[:, 0]
+        out = torch.empty_like(q)
+        short = [i for i in range(B) if qsl[i + 1] - qsl[i] <= SHORT_QUERY]
+        if short:
+            qlen = [qsl[i + 1] - qsl[i] for i in short]
+            Q = max(qlen)
+            # [b, t] -> row of q; rows past a sequence's own query length repeat its last row (discarded)
+            dev = q.device
+            rows = torch.tensor([[qsl[i] + min(t, n - 1) for t in range(Q)] for i, n in zip(short, qlen)], device=dev)
+            sel = torch.tensor(short, device=dev)
+            qlen_t = torch.tensor(qlen, dtype=meta.seq_lens.dtype, device=q.device)
+            o = self._short(q[rows], k_cache, v_cache, meta.block_tables[sel], meta.seq_lens[sel], qlen_t,
+                            scale, sliding_window)                                  # [b, Q, Hq, D]
+            valid = torch.arange(Q, device=dev)[None, :] < qlen_t[:, None]
+            out[rows[valid]] = o[valid]
+        bs = k_cache.shape[1]
+        for i in range(B):
             start, end, ctx = qsl[i], qsl[i + 1], lens[i]
             ql = end - start
+            if ql <= SHORT_QUERY:
+                continue
             nblk = -(-ctx // bs)
             bt = meta.block_tables[i, :nblk].long()
             k = k_cache[bt].flatten(0, 1)[:ctx].transpose(0, 1)[None]   # [1, Hkv, ctx, D]
@@ -68,26 +89,29 @@ class TorchAttentionBackend:
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: Optional[int]) -> torch.Tensor:
-        # q: [B, Hq, D], one token per sequence. Explicit matmuls: CPU SDPA with a mask falls back to a
-        # slow path in bf16, and grouping query heads by KV head avoids repeating K/V.
-        B, Hq, D = q.shape
+    def _short(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float,
+               sliding_window: Optional[int]) -> torch.Tensor:
+        # q: [B, Q, Hq, D], the last query_lens[b] tokens of each sequence (decodes: Q = 1; speculative
+        # verification: 1 + drafts). Explicit matmuls: CPU SDPA with a mask falls back to a slow path in
+        # bf16, and grouping query heads by KV head avoids repeating K/V.
+        B, Q, Hq, D = q.shape
         bs, Hkv = k_cache.shape[1], k_cache.shape[2]
-        lens = meta.seq_lens[:B]
-        nblk = -(-max(meta.seq_lens_host[:B]) // bs)
-        bt = meta.block_tables[:B, :nblk].long()
-        k = k_cache[bt].flatten(1, 2)                          # [B, L, Hkv, D]
+        nblk = -(-int(seq_lens.max()) // bs)
+        bt = block_tables[:, :nblk].long()
+        k = k_cache[bt].flatten(1, 2)                                     # [B, L, Hkv, D]
         v = v_cache[bt].flatten(1, 2)
         j = torch.arange(nblk * bs, device=q.device)
-        masked = j[None, :] >= lens[:, None]                   # [B, L]
+        pos = (seq_lens - query_lens)[:, None] + torch.arange(Q, device=q.device)[None, :]     # [B, Q]
+        masked = j[None, None, :] > pos[:, :, None]                       # [B, Q, L]: causal, and past ctx
         if sliding_window is not None:
-            masked |= j[None, :] <= (lens[:, None] - 1 - sliding_window)
-        qg = q.view(B, Hkv, Hq // Hkv, D)
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale     # [B, Hkv, G, L]
-        scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+            masked |= j[None, None, :] <= pos[:, :, None] - sliding_window
+        qg = q.view(B, Q, Hkv, Hq // Hkv, D).permute(0, 2, 3, 1, 4)       # [B, Hkv, G, Q, D]
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)[:, :, None]).float() * scale      # [B, Hkv, G, Q, L]
+        scores.masked_fill_(masked[:, None, None], float("-inf"))
         p = scores.softmax(dim=-1).to(v.dtype)
-        return torch.matmul(p, v.transpose(1, 2)).reshape(B, Hq, D)          # [B, Hkv, G, D] -> [B, Hq, D]
+        o = torch.matmul(p, v.transpose(1, 2)[:, :, None])                # [B, Hkv, G, Q, D]
+        return o.permute(0, 3, 1, 2, 4).reshape(B, Q, Hq, D)
 
 
 class TritonAttentionBackend:
