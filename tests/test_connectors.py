@@ -157,8 +157,13 @@ def test_mixed_parquet_schemas_name_file_and_column(tmp_path):
 
 
 def test_jsonl_errors(tmp_path):
-    (tmp_path / "a.jsonl").write_text('{"text": "x"}\nnot json\n')
-    with pytest.raises(InputError, match=r"a\.jsonl: row 1: not valid JSON"):
+    (tmp_path / "a.jsonl").write_text('not json\n{"text": "x"}\n')   # a bad line is an error row, not a stop
+    src = JsonlSource(str(tmp_path / "a.jsonl"))
+    t = src.read(src.units(10)[0])
+    assert t.column("text").to_pylist() == [None, "x"]
+    assert "a.jsonl: line 1: not valid JSON" in t.column("_batchrun_row_error")[0].as_py()
+    (tmp_path / "a.jsonl").write_text('not json\n')          # no object at all: not a JSONL file
+    with pytest.raises(InputError, match=r"a\.jsonl: line 1: not valid JSON"):
         JsonlSource(str(tmp_path / "a.jsonl"))
     (tmp_path / "a.jsonl").write_text('[1, 2]\n')
     with pytest.raises(InputError, match="a JSON object per line"):

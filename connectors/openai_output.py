@@ -1,0 +1,102 @@
+"""The OpenAI Batch API output file, written beside the Parquet results (`output.openai_jsonl: true`).
+
+One line per result row, as the Batch API writes them, so code reading a Batch API output file reads
+this one unchanged:
+    {"id": "batch_req_…", "custom_id": "…", "response": {"status_code": 200, "request_id": "req_…",
+     "body": {"id": "chatcmpl-…", "object": "chat.completion", "created": …, "model": "…",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "…"},
+                           "logprobs": null, "finish_reason": "stop" | "length"}],
+              "usage": {"prompt_tokens": …, "completion_tokens": …, "total_tokens": …},
+              "system_fingerprint": "…"}},
+     "error": null}
+and for an error row `"response": null, "error": {"code": "invalid_request", "message": "…"}`.
+
+The file is assembled at the end of the job from the committed part files, in unit order (like the
+Batch API, consumers should match lines by custom_id), so it holds every row exactly once whatever
+crashes and resumes came before; it is published atomically (local rename; one upload on object
+stores). Ids are derived from the job fingerprint and the row's place, so a re-assembly is identical.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import uuid
+from typing import Any, Iterable
+
+import pyarrow.parquet as pq
+
+from batchrun.connectors.base import full_path
+from batchrun.connectors.retry import retry_io
+from batchrun.connectors.sink import ParquetSink, fsync_dir
+
+OPENAI_OUTPUT = "openai_output.jsonl"
+COLUMNS = ["id", "output", "finish_reason", "error", "prompt_tokens", "output_tokens"]
+
+
+def _hid(*parts: Any) -> str:
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+def lines(rows: Iterable[dict], created: int, model: str, fingerprint: str, where: str) -> Iterable[str]:
+    """OpenAI Batch output lines for result rows (dicts with COLUMNS) of one part file."""
+    for j, r in enumerate(rows):
+        h = _hid(fingerprint, where, j)
+        cid = None if r["id"] is None else str(r["id"])
+        if r["finish_reason"] == "error":
+            line = {"id": f"batch_req_{h}", "custom_id": cid, "response": None,
+                    "error": {"code": "invalid_request", "message": r["error"] or "error"}}
+        else:
+            p, c = int(r["prompt_tokens"] or 0), int(r["output_tokens"] or 0)
+            body = {"id": f"chatcmpl-{h}", "object": "chat.completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": r["output"]},
+                                 "logprobs": None, "finish_reason": r["finish_reason"]}],
+                    "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+                    "system_fingerprint": f"batchrun-{fingerprint}"}
+            line = {"id": f"batch_req_{h}", "custom_id": cid,
+                    "response": {"status_code": 200, "request_id": f"req_{h}", "body": body}, "error": None}
+        yield json.dumps(line, ensure_ascii=False)
+
+
+def write_openai_output(sink: ParquetSink, parts: list[tuple[str, float]], model: str, fingerprint: str,
+                        name: str = OPENAI_OUTPUT) -> str:
+    """Write `name` under the sink's root from `parts` [(path of a committed part file, commit time)],
+    in that order; returns its URL. Streams part by part through a local temporary file."""
+    final = sink.path(name)
+    tmp_dir = sink.path("_batchrun/tmp") if sink.local else tempfile.gettempdir()
+    os.makedirs(tmp_dir, exist_ok=True)
+    tmp = os.path.join(tmp_dir, f"{name}.{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for path, committed_at in parts:
+                rel = path[len(sink.root) + 1:] if path.startswith(sink.root + "/") else path
+                with sink.fs.open(path, "rb") as fh:
+                    pf = pq.ParquetFile(fh)
+                    for g in range(pf.num_row_groups):
+                        rows = pf.read_row_group(g, columns=COLUMNS).to_pylist()
+                        for text in lines(rows, int(committed_at), model, fingerprint, f"{rel}#{g}"):
+                            out.write(text + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        if sink.local:
+            os.replace(tmp, final)
+            fsync_dir(os.path.dirname(final))
+        else:     # one upload of the final key: readers see the old file or the whole new one
+            retry_io(lambda: sink.fs.put_file(tmp, final), full_path(sink.fs, final), "put")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return full_path(sink.fs, final)
+
+
+def write_from_ledger(sink: ParquetSink, ledger, spec, fingerprint: str) -> str:
+    """write_openai_output over every unit the ledger (batchrun.job.ledger.Ledger) holds as committed."""
+    from batchrun.job.ledger import marker_files
+    parts = [(sink.path(n), float(m.get("committed_at") or 0))
+             for k, m in sorted(ledger.done_markers().items()) for n in marker_files(k, m)]
+    model = os.path.basename(spec.model.path.rstrip("/")) or spec.model.path
+    return write_openai_output(sink, parts, model, fingerprint)
+
+
+__all__ = ["OPENAI_OUTPUT", "lines", "write_openai_output", "write_from_ledger"]
