@@ -7,6 +7,9 @@ from typing import Any, Optional
 import fsspec
 import pyarrow as pa
 
+from batchrun.connectors.retry import retry_io
+from batchrun.connectors.secrets import MissingEnvVar, expand, redact
+
 
 class InputError(ValueError):
     """A problem with the input that stops the job before weights load; names the file or column."""
@@ -46,21 +49,45 @@ class Listing:
         return [[f.path, f.size, f.version] for f in self.files]
 
 
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
+          "adl": "azure"}
+
+
 def filesystem(uri: str, storage_options: Optional[dict] = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, path without protocol) for any fsspec URL or local path."""
+    """(filesystem, path without protocol) for any fsspec URL or local path.
+
+    storage_options: keyword arguments of the filesystem; `${ENV_VAR}` references are expanded here,
+    at use time, so the job spec never holds the values (connectors/secrets.py)."""
+    proto = uri.split("://", 1)[0] if "://" in uri else "file"
     try:
-        fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        options = expand(storage_options or {}, "storage_options")
+    except MissingEnvVar as e:
+        raise InputError(f"{uri}: {e}") from None
+    try:
+        fs, path = fsspec.core.url_to_fs(uri, **options)
     except ImportError as e:
-        proto = uri.split("://", 1)[0]
-        extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}.get(proto)
-        hint = f" (pip install 'batchrun[{extra}]')" if extra else ""
-        raise InputError(f"{uri}: no filesystem for {proto}://{hint}: {e}") from e
+        extra = EXTRAS.get(proto)
+        hint = f"; install it with: pip install 'batchrun[{extra}]'" if extra else ""
+        raise InputError(redact(f"{uri}: no filesystem for {proto}://{hint} ({e})")) from None
+    except (ValueError, TypeError) as e:     # unknown protocol, an option the filesystem does not take
+        raise InputError(redact(f"{uri}: cannot open: {e}")) from None
     return fs, path
 
 
 def list_files(uri: str, storage_options: Optional[dict], suffixes: tuple[str, ...]) -> tuple[Any, list[FileInfo]]:
-    """Expand a path, a directory or a glob into a sorted file listing (sizes and versions from metadata)."""
+    """Expand a path, a directory or a glob into a sorted file listing (sizes and versions from metadata).
+
+    The version is the object's ETag where the store has one (S3, GCS, Azure), else its mtime: with the
+    size it enters the job fingerprint, so an input changed between submit and resume is refused."""
     fs, path = filesystem(uri, storage_options)
+    try:
+        fs.invalidate_cache()       # a resume in the same process must see the store as it is now
+    except Exception:   # noqa: BLE001 - not every filesystem keeps a listings cache
+        pass
+    return fs, retry_io(lambda: _list(fs, uri, path, suffixes), uri, "list")
+
+
+def _list(fs, uri: str, path: str, suffixes: tuple[str, ...]) -> list[FileInfo]:
     if any(ch in path for ch in "*?["):
         paths = sorted(fs.glob(path))
     elif fs.isdir(path):
@@ -78,7 +105,7 @@ def list_files(uri: str, storage_options: Optional[dict], suffixes: tuple[str, .
         version = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified") \
             or info.get("created")
         infos.append(FileInfo(p, int(info.get("size") or 0), None if version is None else str(version)))
-    return fs, infos
+    return infos
 
 
 def full_path(fs, path: str) -> str:

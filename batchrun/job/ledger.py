@@ -1,15 +1,18 @@
 """The checkpoint protocol of DESIGN.md: exactly one commit per unit, resumable after any crash.
 
 Layout under the output URL:
-    part-<k>.parquet            results of unit k (published atomically by the sink)
+    part-<k>.parquet            results of unit k (published atomically by the sink); with
+                                output.partition_by, c=v/part-<k>.parquet, one per partition value
     _batchrun/manifest.json     job fingerprint, units and rows in the plan
     _batchrun/done/<k>.json     written only after part-<k>.parquet is in place
     _batchrun/progress.json     rewritten atomically every few seconds by the running job
     _batchrun/summary.json      the final summary
     _SUCCESS                    every unit is done
-A unit is done iff its marker exists and its part file has the size the marker records. Part files
-without a marker are removed on resume and rewritten. One marker object per unit: no
-read-modify-write, so concurrent workers can commit different units.
+A unit is done iff its marker exists and each file the marker lists has the recorded size. Part files
+no marker lists are removed on resume and rewritten. One marker object per unit, written create-only
+(local: link(); S3: If-None-Match: *), so concurrent workers can commit different units and two workers
+can never both commit the same one: the loser learns it lost and does not count the unit.
+Every store call is retried on transient failures; listings bypass the fsspec listings cache.
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ import json
 import os
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
+from batchrun.connectors.base import full_path
+from batchrun.connectors.retry import retry_io
 from batchrun.connectors.sink import ParquetSink, fsync_dir, part_name
 
 MANIFEST = "_batchrun/manifest.json"
@@ -31,6 +36,33 @@ MANIFEST_VERSION = 1
 
 class FingerprintMismatch(Exception):
     """The output holds results of a different job (model, sampling, prompts or input changed)."""
+
+
+def marker_files(unit: int, marker: dict) -> dict[str, Optional[int]]:
+    """{file name relative to the output: bytes} a done marker vouches for (markers written before
+    partitioning name one file, or none: then part-<unit>.parquet)."""
+    if "files" in marker:
+        return {f["name"]: int(f["bytes"]) for f in marker["files"]}
+    return {marker.get("file") or part_name(unit): marker.get("bytes")}
+
+
+def _input_changes(old: Any, new: Any, limit: int = 3) -> str:
+    """`(s3://b/x.parquet: size 10 -> 12, version "a" -> "b"; ...) `: which input files differ."""
+    if not isinstance(old, dict) or not isinstance(new, dict) or old.get("files") == new.get("files"):
+        return ""
+    a = {f[0]: f[1:] for f in old.get("files") or []}
+    b = {f[0]: f[1:] for f in new.get("files") or []}
+    notes = []
+    for path in sorted(set(a) | set(b)):
+        if path not in b:
+            notes.append(f"{path}: removed")
+        elif path not in a:
+            notes.append(f"{path}: added")
+        elif a[path] != b[path]:
+            what = [f"{k} {x} -> {y}" for k, x, y in zip(("size", "version"), a[path], b[path]) if x != y]
+            notes.append(f"{path}: {', '.join(what)}")
+    more = f"; and {len(notes) - limit} more" if len(notes) > limit else ""
+    return f"({'; '.join(notes[:limit])}{more}) " if notes else ""
 
 
 class Ledger:
@@ -58,23 +90,35 @@ class Ledger:
             os.replace(tmp, path)
             fsync_dir(os.path.dirname(path))
         else:
-            self.fs.pipe_file(path, data)
+            retry_io(lambda: self.fs.pipe_file(path, data), self._url(name), "put")
+
+    def _url(self, name: str) -> str:
+        return full_path(self.fs, self._path(name))
 
     def read_json(self, name: str) -> Optional[dict]:
         try:
-            with self.fs.open(self._path(name), "rb") as f:
-                return json.loads(f.read())
+            data = retry_io(lambda: self.fs.cat_file(self._path(name)), self._url(name), "get")
         except FileNotFoundError:
             return None
+        return self._parse(name, data)
+
+    def _parse(self, name: str, data: bytes) -> dict:
+        try:
+            return json.loads(data)
         except json.JSONDecodeError as e:
             raise ValueError(f"{self.sink.url}/{name}: corrupt ({e})") from e
 
     def exists(self, name: str) -> bool:
-        return self.fs.exists(self._path(name))
+        path = self._path(name)
+        try:
+            self.fs.invalidate_cache(path)      # another process may have written it since we listed
+        except Exception:   # noqa: BLE001
+            pass
+        return retry_io(lambda: self.fs.exists(path), self._url(name), "exists")
 
     def remove(self, name: str) -> None:
         try:
-            self.fs.rm(self._path(name))
+            retry_io(lambda: self.fs.rm(self._path(name)), self._url(name), "delete")
         except FileNotFoundError:
             pass
 
@@ -94,9 +138,10 @@ class Ledger:
                 changed = sorted(k for k in set(old.get("fingerprint", {})) | set(fingerprint)
                                  if old.get("fingerprint", {}).get(k) != fingerprint.get(k))
                 n = len(self.done_markers())
+                detail = _input_changes(old.get("fingerprint", {}).get("input"), fingerprint.get("input"))
                 raise FingerprintMismatch(
                     f"{self.sink.url} holds results of a different job: {', '.join(changed)} changed "
-                    f"since its manifest ({self.sink.url}/{MANIFEST}) was written; {n} unit(s) are "
+                    f"{detail}since its manifest ({self.sink.url}/{MANIFEST}) was written; {n} unit(s) are "
                     "committed there. Re-submit with --restart to discard them and start over, or use "
                     "another output.uri.")
         if restart:
@@ -106,9 +151,9 @@ class Ledger:
                                    "created_at": created or time.time()})
         self.sink.clean_tmp()
         done = self.done_markers(verify=True)
-        visible = self.sink.list_parts()
-        orphans = [n for n in visible if int(n[5:-8]) not in done]
-        self.sink.remove(orphans)   # a part renamed just before a crash, without its marker
+        owned = {n for k, m in done.items() for n in marker_files(k, m)}
+        orphans = [n for n in self.sink.list_parts() if n not in owned]
+        self.sink.remove(orphans)   # parts published just before a crash, without their marker
         return done
 
     def reset(self) -> None:
@@ -121,38 +166,80 @@ class Ledger:
 
     # -- markers ------------------------------------------------------------------------------
     def done_markers(self, verify: bool = False) -> dict[int, dict]:
-        """{unit: marker} of committed units. verify: also require the part file, of the recorded size
-        (a marker whose part vanished or changed is dropped so the unit is redone)."""
+        """{unit: marker} of committed units. verify: also require every file the marker lists, of the
+        recorded size (a marker whose part vanished or changed is dropped so the unit is redone)."""
         d = self._path(DONE_DIR)
         try:
             self.fs.invalidate_cache(d)
         except Exception:   # noqa: BLE001
             pass
         try:
-            names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(d, detail=False)]
+            names = [p.rsplit("/", 1)[-1] for p in retry_io(lambda: self.fs.ls(d, detail=False),
+                                                             self._url(DONE_DIR), "list")]
         except FileNotFoundError:
             return {}
+        names = [n for n in names if n.endswith(".json") and n[:-5].isdigit()]
+        paths = [f"{d}/{n}" for n in names]
+        blobs = retry_io(lambda: self._cat_all(paths), self._url(DONE_DIR), "get") if paths else {}
         out: dict[int, dict] = {}
-        for n in names:
-            if not n.endswith(".json") or not n[:-5].isdigit():
-                continue
-            m = self.read_json(f"{DONE_DIR}/{n}")
-            if m is not None:
-                out[int(n[:-5])] = m
+        for n, p in zip(names, paths):
+            data = blobs.get(self.fs._strip_protocol(p))
+            if data is not None:
+                out[int(n[:-5])] = self._parse(f"{DONE_DIR}/{n}", data)
         if verify:
             parts = self.sink.list_parts()
-            for k in [k for k, m in out.items() if parts.get(part_name(k)) != m.get("bytes")]:
+            for k in [k for k, m in out.items()
+                      if any(parts.get(n) != b for n, b in marker_files(k, m).items())]:
                 self.remove(f"{DONE_DIR}/{k}.json")
                 del out[k]
         return out
 
-    def mark_done(self, unit: int, marker: dict) -> None:
-        """Record unit `unit` as committed. Call only after its part file is published."""
-        self.write_json(f"{DONE_DIR}/{unit}.json", marker)
+    def _cat_all(self, paths: list[str]) -> dict[str, bytes]:
+        """{path: bytes} in one batched (on object stores, concurrent) fetch. A marker deleted since the
+        listing is left out; any other failure raises, so a marker is never silently missed (that
+        would make its unit's parts look like orphans)."""
+        got = self.fs.cat(paths, on_error="return")
+        out = {}
+        for p, v in got.items():
+            if isinstance(v, FileNotFoundError):
+                continue
+            if isinstance(v, BaseException):
+                raise v
+            out[self.fs._strip_protocol(p)] = v
+        return out
+
+    def mark_done(self, unit: int, marker: dict) -> bool:
+        """Record unit `unit` as committed, create-only. Call only after its part files are published.
+        False: another worker's marker for this unit was there first; the unit is its commit, not ours."""
+        data = (json.dumps(marker, indent=1, sort_keys=True, default=str) + "\n").encode()
+        return self.sink.put_new(f"{DONE_DIR}/{unit}.json", data)
+
+    def is_done(self, unit: int) -> bool:
+        return self.exists(f"{DONE_DIR}/{unit}.json")
+
+    def commit_unit(self, unit: int, table, metadata: dict[str, Any], marker: dict,
+                    partition_by: Sequence[str] = (), before_publish: Optional[Callable[[], None]] = None,
+                    after_publish: Optional[Callable[[], None]] = None) -> Optional[dict]:
+        """Publish a unit's results, then its done marker. Returns the marker, or None when another
+        worker committed the unit first (then nothing here may count it; its part is not re-published
+        if that worker's marker was already visible).
+
+        marker: the unit's facts (rows, tokens, input slice); the files written are added to it.
+        """
+        if self.is_done(unit):
+            return None
+        files = self.sink.commit_partitioned(unit, table, metadata, list(partition_by), before_publish)
+        if after_publish:
+            after_publish()
+        m = {**marker, "unit": unit, "bytes": sum(c.bytes for c in files),
+             "files": [{"name": c.name, "bytes": c.bytes, "sha256": c.sha256} for c in files]}
+        if not partition_by:
+            m.update(file=files[0].name, sha256=files[0].sha256)
+        return m if self.mark_done(unit, m) else None
 
     def committed_files(self) -> list[str]:
-        """URLs of the part files of committed units, in unit order (what `query` reads)."""
-        return [self._path(part_name(k)) for k in sorted(self.done_markers())]
+        """Paths of the part files of committed units, in unit order (what `query` reads)."""
+        return [self._path(n) for k, m in sorted(self.done_markers().items()) for n in marker_files(k, m)]
 
     # -- progress / end -----------------------------------------------------------------------
     def write_progress(self, progress: dict) -> None:
