@@ -3,7 +3,9 @@
 Exit codes (also in the README): 0 done; 1 unexpected error (retry may help); 2 bad job file or
 command line; 3 input or model unusable (missing column, corrupt file, unknown architecture);
 4 the output holds a different job's results (use --restart or another output.uri);
-75 interrupted by SIGTERM/SIGINT (re-submit to resume).
+73 another live run of the job holds the output's lock (re-submit later); 74 object-store I/O failed
+for good (the message names the URL; re-submit resumes); 75 interrupted by SIGTERM/SIGINT
+(re-submit to resume).
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ from typing import List, Optional
 
 import typer
 
-from batchrun.job.run import (EXIT_BAD_JOB, EXIT_FINGERPRINT, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_OK,
-                              EXIT_UNEXPECTED)
+from batchrun.connectors.retry import StorageError
+from batchrun.job.run import (EXIT_BAD_JOB, EXIT_FINGERPRINT, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_LOCKED,
+                              EXIT_OK, EXIT_UNEXPECTED)
+from batchrun.job.run import EXIT_STORAGE
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Offline LLM batch inference: job files in, Parquet out, resumable.")
@@ -25,13 +29,15 @@ SetOpt = typer.Option(None, "--set", help="Override a job-file key: --set engine
 
 
 def _err(msg: str) -> None:
-    print(f"batchrun: {msg}", file=sys.stderr, flush=True)
+    from batchrun.connectors.secrets import redact
+    print(f"batchrun: {redact(msg)}", file=sys.stderr, flush=True)
 
 
 def _fail(code: int, msg: str, as_json: bool = False):
     _err(msg)
     if as_json:
-        print(json.dumps({"ok": False, "state": "failed", "exit_code": code, "error": msg}), flush=True)
+        from batchrun.connectors.secrets import redact
+        print(json.dumps({"ok": False, "state": "failed", "exit_code": code, "error": redact(msg)}), flush=True)
     raise typer.Exit(code)
 
 
@@ -43,14 +49,16 @@ def _load(job: str, sets: Optional[List[str]], as_json: bool = False):
         _fail(EXIT_BAD_JOB, str(e), as_json)
 
 
-def _plan(spec, as_json: bool = False):
+def _plan(spec, as_json: bool = False, **plan_kw):
     from batchrun.connectors import InputError
     from batchrun.job.plan import make_plan
     from batchrun.job.spec import JobError
     try:
-        return make_plan(spec)
+        return make_plan(spec, **plan_kw)
     except JobError as e:
         _fail(EXIT_BAD_JOB, str(e), as_json)
+    except StorageError as e:     # the input store failed for good (retries spent, or access denied)
+        _fail(EXIT_STORAGE, str(e), as_json)
     except (InputError, ValueError, OSError) as e:
         _fail(EXIT_INPUT, str(e), as_json)
 
@@ -65,25 +73,36 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
            progress: bool = typer.Option(True, "--progress/--no-progress", help="The tqdm bar on stderr."),
            quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, no summary line "
                                       "(--json still prints its line)."),
-           verbose: bool = typer.Option(False, "--verbose", "-v", help="Engine log lines on stderr.")):
+           verbose: bool = typer.Option(False, "--verbose", "-v", help="Engine log lines on stderr."),
+           ray: Optional[str] = typer.Option(None, "--ray", metavar="[ADDRESS]", help="Run on Ray, one engine "
+                                             "replica per actor (runtime.* sets replicas, GPUs, CPUs). ADDRESS: "
+                                             "'auto' for the cluster `ray start` made; none: $RAY_ADDRESS or a "
+                                             "new local Ray. Needs pip install 'batchrun[ray]'.")):
     """Run a job to completion, resuming from what an earlier attempt committed."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(name)s: %(message)s")
     spec = _load(job, sets, as_json)
-    plan = _plan(spec, as_json)
+    runner_cls, ray_error = _backend(spec, ray, as_json)
+    plan = _plan(spec, as_json, restart=restart)   # --restart re-runs input.sql
     from batchrun.connectors import InputError
     from batchrun.job.ledger import FingerprintMismatch
-    from batchrun.job.run import Interrupted, JobRunner
+    from batchrun.job.run import Interrupted, LockHeld
     try:
-        summary = JobRunner(plan, restart=restart, progress_bar=progress and not quiet).run()
+        summary = runner_cls(plan, restart=restart, progress_bar=progress and not quiet).run()
+    except ray_error as e:            # no Ray cluster at the address given
+        _fail(EXIT_BAD_JOB, str(e), as_json)
     except FingerprintMismatch as e:
         _fail(EXIT_FINGERPRINT, str(e), as_json)
+    except LockHeld as e:
+        _fail(EXIT_LOCKED, str(e), as_json)
     except Interrupted as e:
         _err(str(e))
         if as_json:
             print(json.dumps({"ok": False, "state": "interrupted", "exit_code": EXIT_INTERRUPTED, "error": str(e)}),
                   flush=True)
         raise typer.Exit(EXIT_INTERRUPTED)
+    except StorageError as e:     # names the URL and the error; a re-submit resumes
+        _fail(EXIT_STORAGE, str(e), as_json)
     except (InputError, ValueError) as e:     # ModelError, TokenizerError are ValueErrors naming the file
         _fail(EXIT_INPUT, str(e), as_json)
     except Exception as e:   # noqa: BLE001
@@ -97,6 +116,38 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
               f"-> {summary['output']}; this run {summary['rows_this_run']} rows in {summary['wall_s']:.1f}s, "
               f"{summary['output_tokens_per_s'] or 0:.0f} output tok/s, engine busy "
               f"{100 * (summary['engine_busy_fraction'] or 0):.1f}%")
+
+
+class _NeverRaised(Exception):
+    pass
+
+
+def _backend(spec, ray_address: Optional[str], as_json: bool):
+    """(runner class, its connection error) for runtime.backend, or Ray when --ray is given. The local
+    path never imports ray; a missing ray fails here, before any planning, naming the extra."""
+    if ray_address is None and spec.runtime.backend != "ray":
+        from batchrun.job.run import JobRunner
+        return JobRunner, _NeverRaised
+    import functools
+
+    from batchrun.job.ray_runner import RayJobRunner, RayUnavailable, require_ray
+    try:
+        require_ray()
+    except RayUnavailable as e:
+        _fail(EXIT_BAD_JOB, f"{'--ray' if ray_address is not None else 'runtime.backend: ray'}: {e}", as_json)
+    spec.runtime.backend = "ray"
+    return functools.partial(RayJobRunner, address=ray_address or None), RayUnavailable
+
+
+def _bare_ray_flag(argv: list[str]) -> list[str]:
+    """`--ray` without an address (last, or followed by an option or the job file) -> `--ray=`."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == "--ray":
+            nxt = out[i + 1] if i + 1 < len(out) else None
+            if nxt is None or nxt.startswith("-") or nxt.endswith((".yaml", ".yml")):
+                out[i] = "--ray="
+    return out
 
 
 def _output_of(target: str, sets: Optional[List[str]]) -> tuple[str, dict]:
@@ -128,7 +179,7 @@ def validate(job: str = typer.Argument(..., help="The job file (YAML)."),
     """Check the job file, the input schema and the model config (no weights load); print the plan."""
     from batchrun.job.plan import format_report, plan_report
     spec = _load(job, sets, as_json)
-    plan = _plan(spec, as_json)
+    plan = _plan(spec, as_json, stage_input=False)   # validate writes nothing
     try:
         report = plan_report(plan, sample)
     except (ValueError, OSError) as e:
@@ -193,7 +244,7 @@ def demo(dir: str = typer.Argument(..., help="Directory to write the demo model,
 
 
 def main() -> None:
-    app()
+    app(args=_bare_ray_flag(sys.argv[1:]), prog_name="batchrun")
 
 
 if __name__ == "__main__":

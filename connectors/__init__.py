@@ -1,10 +1,11 @@
-"""Sources (Parquet, JSONL, CSV) and the Parquet sink, all over fsspec."""
+"""Sources (Parquet, JSONL, CSV, OpenAI Batch files, DuckDB SQL) and the Parquet sink, all over fsspec."""
 from batchrun.connectors.base import InputError, Source, Unit, filesystem
-from batchrun.connectors.lines import CsvSource, JsonlSource
+from batchrun.connectors.lines import ROW_ERROR, CsvSource, JsonlSource
+from batchrun.connectors.openai_batch import ROW_SAMPLING, OpenAIBatchSource
 from batchrun.connectors.parquet import ParquetSource
 from batchrun.connectors.sink import ParquetSink
 
-FORMATS = {"parquet": ParquetSource, "jsonl": JsonlSource, "csv": CsvSource}
+FORMATS = {"parquet": ParquetSource, "jsonl": JsonlSource, "csv": CsvSource, "openai_batch": OpenAIBatchSource}
 EXTENSIONS = {".parquet": "parquet", ".parq": "parquet", ".pq": "parquet", ".jsonl": "jsonl",
               ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "csv"}
 
@@ -19,5 +20,5 @@ def open_source(uri: str, format: str | None = None, storage_options: dict | Non
     return FORMATS[format](uri, storage_options)
 
 
-__all__ = ["InputError", "Source", "Unit", "ParquetSource", "JsonlSource", "CsvSource", "ParquetSink",
-           "open_source", "filesystem", "FORMATS"]
+__all__ = ["InputError", "Source", "Unit", "ParquetSource", "JsonlSource", "CsvSource", "OpenAIBatchSource",
+           "ParquetSink", "open_source", "filesystem", "FORMATS", "ROW_ERROR", "ROW_SAMPLING"]

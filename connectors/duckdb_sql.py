@@ -29,7 +29,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.connectors.base import EXTRAS, InputError, full_path
+from batchrun.connectors.base import InputError, filesystem, full_path
 from batchrun.connectors.parquet import ParquetSource
 from batchrun.connectors.sink import ParquetSink
 
@@ -159,14 +159,10 @@ def _connect(sql: str, input_storage_options: Optional[dict], base_dir: str):
     for proto in sorted(set(re.findall(r"\b([a-zA-Z][a-zA-Z0-9+.-]*)://", sql)) - _NO_FSSPEC):
         if proto not in fsspec.available_protocols():
             continue       # a URL-looking string literal, or a scheme DuckDB knows itself
-        try:
-            fs = fsspec.filesystem(proto, **(input_storage_options or {}))
-        except ImportError as e:
-            extra = EXTRAS.get(proto)
-            hint = f"; install it with: pip install 'batchrun[{extra}]'" if extra else ""
-            raise InputError(f"input.sql: no filesystem for {proto}://{hint} ({e})") from None
-        except (ValueError, TypeError) as e:
-            raise InputError(f"input.sql: {proto}:// with input.storage_options: {e}") from None
+        try:       # through filesystem(): ${ENV_VAR} options expanded, a missing extra named
+            fs, _ = filesystem(f"{proto}://", input_storage_options)
+        except InputError as e:
+            raise InputError(f"input.sql: {e}") from None
         con.register_filesystem(fs)
     return con
 

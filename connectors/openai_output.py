@@ -90,13 +90,4 @@ def write_openai_output(sink: ParquetSink, parts: list[tuple[str, float]], model
     return full_path(sink.fs, final)
 
 
-def write_from_ledger(sink: ParquetSink, ledger, spec, fingerprint: str) -> str:
-    """write_openai_output over every unit the ledger (batchrun.job.ledger.Ledger) holds as committed."""
-    from batchrun.job.ledger import marker_files
-    parts = [(sink.path(n), float(m.get("committed_at") or 0))
-             for k, m in sorted(ledger.done_markers().items()) for n in marker_files(k, m)]
-    model = os.path.basename(spec.model.path.rstrip("/")) or spec.model.path
-    return write_openai_output(sink, parts, model, fingerprint)
-
-
-__all__ = ["OPENAI_OUTPUT", "lines", "write_openai_output", "write_from_ledger"]
+__all__ = ["OPENAI_OUTPUT", "lines", "write_openai_output"]

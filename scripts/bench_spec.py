@@ -59,6 +59,24 @@ def compare(path: str, prompts, params, batch: int, spec, repeats: int) -> dict:
             "identical_outputs": off.pop("tokens") == on.pop("tokens"), "off": off, "on": on}
 
 
+def proposer_cost(spec: dict, history: int = 16384, steps: int = 512) -> dict:
+    """Microseconds per proposal for one sequence with a long history: first call (indexes the whole
+    prompt) and the steady state (one new token a step), to set against a decode step's time."""
+    from batchrun.engine.speculative import NgramProposer, SeqSpecState, SpecConfig
+    rng = random.Random(0)
+    tokens = [rng.randrange(6, 256) for _ in range(history)]
+    prop, st = NgramProposer(SpecConfig.from_dict(spec)), SeqSpecState()
+    t = time.perf_counter()
+    prop.propose(st, tokens, 4)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(steps):
+        tokens.append(rng.randrange(6, 256))
+        prop.propose(st, tokens, 4)
+    return {"history_tokens": history, "first_call_us": round(first * 1e6),
+            "steady_us_per_call": round((time.perf_counter() - t) / steps * 1e6, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/tmp/batchrun-copy-model")
@@ -96,7 +114,11 @@ def main() -> None:
     print(json.dumps({"model": args.model, "num_prompts": args.num_prompts, "speculative_config": spec,
                       "answers_exactly_right": f"{exact}/{len(examples)}",
                       "mean_answer_tokens": round(sum(len(a) for a in with_eos) / len(with_eos), 1),
-                      "by_batch_size": rows}, indent=1))
+                      "by_batch_size": rows, "proposer": {
+                          **proposer_cost(spec),
+                          "decode_step_us_batch_1": round(rows[str(args.batch_sizes[0])]["off"]["seconds"]
+                                                          / rows[str(args.batch_sizes[0])]["off"]["steps"] * 1e6)}},
+                     indent=1))
 
 
 if __name__ == "__main__":

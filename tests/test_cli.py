@@ -93,7 +93,7 @@ def test_file_not_of_its_format(job_dir, tiny_model, no_weights):  # noqa: F811
     assert r.exit_code == EXIT_INPUT and "notes.parquet: not a readable Parquet file" in r.stderr
     os.remove(job_dir / "in" / "notes.parquet")
     r = invoke("submit", job_file(job_dir, tiny_model, input={"format": "jsonl", "uri": "in/prompts-00.parquet"}))
-    assert r.exit_code == EXIT_INPUT and "prompts-00.parquet: row 0: not valid JSON" in r.stderr
+    assert r.exit_code == EXIT_INPUT and "prompts-00.parquet: line 1: not valid JSON" in r.stderr
 
 
 def test_nonexistent_path(job_dir, tiny_model, no_weights):  # noqa: F811

@@ -223,8 +223,7 @@ def test_status_from_another_process_while_the_job_runs(tmp_path, tiny_model):  
     assert st["state"] == "finished" and st["units_done"] == 20 and st["rows_done"] == 400
 
 
-def test_a_bad_line_found_mid_job_stops_it_naming_file_and_row(tmp_path, tiny_model):  # noqa: F811
-    from batchrun.connectors import InputError
+def test_a_bad_line_found_mid_job_is_an_error_row_naming_file_and_line(tmp_path, tiny_model):  # noqa: F811
     texts = prompt_texts(150, seed=9)
     lines = [json.dumps({"id": i, "text": t}) for i, t in enumerate(texts)]
     lines[120] = '{"id": 120, "text": "unterminated'
@@ -232,8 +231,9 @@ def test_a_bad_line_found_mid_job_stops_it_naming_file_and_row(tmp_path, tiny_mo
     out = str(tmp_path / "out")
     job = job_dict(tiny_model, str(tmp_path / "p.jsonl"), out, plan={"unit_rows": 25, "window_units": 1},
                    input={"passthrough": []})
-    with pytest.raises(InputError, match=r"p\.jsonl: row 120: not valid JSON"):
-        run_inprocess(job)
-    n, distinct = counts(out)
-    assert n == distinct and 0 < n <= 100            # units before the bad one are committed, once
-    assert json.load(open(os.path.join(out, "_batchrun", "progress.json")))["state"] == "failed"
+    summary = run_inprocess(job)                     # the job goes on (issue 6): one error row, the rest run
+    assert summary["rows"] == 150 and summary["error_rows"] == 1
+    rows = results(out)
+    assert sorted(r[0] for r in rows if r[0] is not None) == [i for i in range(150) if i != 120]
+    (bad,) = [r for r in rows if r[0] is None]
+    assert bad[2] == "error" and bad[3].startswith(f"{tmp_path / 'p.jsonl'}: line 121: not valid JSON")

@@ -11,6 +11,7 @@ _EXPORTS = {
     "JobPlan": "plan", "make_plan": "plan",
     "JobRunner": "run", "run_job": "run", "Interrupted": "run", "EXIT_OK": "run", "EXIT_UNEXPECTED": "run",
     "EXIT_BAD_JOB": "run", "EXIT_INPUT": "run", "EXIT_FINGERPRINT": "run", "EXIT_INTERRUPTED": "run",
+    "EXIT_LOCKED": "run", "JobLock": "lock", "LockHeld": "lock",
     "FingerprintMismatch": "ledger", "Ledger": "ledger",
     "job_status": "status", "format_status": "status",
 }

@@ -40,13 +40,18 @@ class JobPlan:
                 "files": len(self.source.listing.files)}
 
 
-def make_plan(spec: JobSpec, load_tokenizer: bool = True) -> JobPlan:
+def make_plan(spec: JobSpec, load_tokenizer: bool = True, restart: bool = False,
+              stage_input: bool = True) -> JobPlan:
     """Open the input, check its columns, inspect the model (config only) and fingerprint the job.
 
+    input.sql: the query runs here, after the model checks, unless an earlier submit staged its
+    result under the output (connectors/duckdb_sql.py); restart runs it again; stage_input=False
+    (validate) writes nothing under the output.
     Raises InputError (input or model unusable) or JobError (the job file asks for something impossible).
     """
-    source = open_source(spec.input.uri, spec.input.format, spec.input.storage_options)
-    check_columns(spec, source)
+    if spec.input.sql is None:
+        source = open_source(spec.input.uri, spec.input.format, spec.input.storage_options)
+        check_columns(spec, source)
     try:
         model = inspect_model(spec.model.path)
     except ValueError as e:
@@ -61,6 +66,12 @@ def make_plan(spec: JobSpec, load_tokenizer: bool = True) -> JobPlan:
         if (spec.input.chat or spec.input.messages_column) and not tokenizer.chat_template:
             raise JobError(f"input.chat: {spec.model.path} has no chat template (tokenizer_config.json "
                            "chat_template); set chat: false")
+    if spec.input.sql is not None:
+        from batchrun.connectors.duckdb_sql import open_sql_source
+        source = open_sql_source(spec.input.sql, spec.output.uri, spec.output.storage_options,
+                                 spec.input.storage_options, spec.input._base_dir, spec.plan.unit_rows,
+                                 restart=restart, stage=stage_input)
+        check_columns(spec, source)
     units = source.units(spec.plan.unit_rows)
     return JobPlan(spec, source, units, model, job_fingerprint(spec, source, model), tokenizer)
 
@@ -68,8 +79,9 @@ def make_plan(spec: JobSpec, load_tokenizer: bool = True) -> JobPlan:
 def check_columns(spec: JobSpec, source: Source) -> None:
     """Every column the job names exists, with a usable type; the message names file and column."""
     import difflib
-    schema, where = source.schema, source.listing.files[0].path
     inp = spec.input
+    schema = source.schema
+    where = "the result of input.sql" if inp.sql is not None else source.listing.files[0].path
     roles = [("id_column", inp.id_column), ("prompt_column", inp.prompt_column),
              ("messages_column", inp.messages_column)]
     roles += [("prompt_template", c) for c in inp.template_fields()]
@@ -122,8 +134,11 @@ def job_fingerprint(spec: JobSpec, source: Source, model: ModelInfo) -> dict[str
         "prompt": {k: getattr(inp, k) for k in ("id_column", "prompt_column", "messages_column",
                                                 "prompt_template", "chat", "system_prompt", "passthrough")}
         | {"include_prompt": spec.output.include_prompt},
-        "input": {"format": type(source).__name__, "files": source.listing.fingerprint()},
+        "input": {"format": type(source).__name__, "files": source.listing.fingerprint(),
+                  **({"sql": inp.sql} if inp.sql is not None else {})},
         "units": {"unit_rows": spec.plan.unit_rows},
+        # only when set, so the manifests of unpartitioned jobs stay valid
+        **({"output": {"partition_by": spec.output.partition_by}} if spec.output.partition_by else {}),
     }
 
 
@@ -134,10 +149,33 @@ def fingerprint_hash(fp: dict) -> str:
 # -- prompt rendering -------------------------------------------------------------------------
 @dataclass
 class Rendered:
-    """One unit's rows turned into requests. errors[i] set: row i never reaches the engine."""
+    """One unit's rows turned into requests. errors[i] set: row i never reaches the engine.
+    params[i]: row i's own SamplingParams when its source supplies per-row sampling (else None: the
+    job's sampling section)."""
     prompts: list[Optional[str]]
     token_ids: list[Optional[list[int]]]
     errors: list[Optional[str]] = field(default_factory=list)
+    params: list[Optional[Any]] = field(default_factory=list)
+
+
+def _row_params(spec: JobSpec, table: pa.Table, errors: list[Optional[str]]) -> list[Optional[Any]]:
+    """Per-row SamplingParams from the source's ROW_SAMPLING column (a JSON object of overrides of the
+    job's sampling section); a row whose overrides are invalid gets an error instead."""
+    from batchrun.connectors import ROW_SAMPLING
+    from batchrun.outputs import SamplingParams
+    params: list[Optional[Any]] = [None] * table.num_rows
+    if ROW_SAMPLING not in table.column_names:
+        return params
+    base = spec.sampling.model_dump()
+    for i, raw in enumerate(table.column(ROW_SAMPLING).to_pylist()):
+        if raw is None or errors[i] is not None:
+            continue
+        over = json.loads(raw)
+        try:
+            params[i] = SamplingParams(**{**base, **over})
+        except (TypeError, ValueError) as e:
+            errors[i] = f"per-row sampling {json.dumps(over, sort_keys=True)}: {e}"
+    return params
 
 
 def _user_messages(text: str, system: Optional[str]) -> list[dict]:
@@ -149,13 +187,18 @@ def render(spec: JobSpec, table: pa.Table, tokenizer) -> Rendered:
     """Prompts of each row of `table`: the template filled with the row's columns, optionally wrapped in
     the chat template, then tokenized in one batch. A row that cannot be rendered gets an error."""
     from batchrun.tokenizer import TokenizerError
+    from batchrun.connectors import ROW_ERROR
     inp = spec.input
     n = table.num_rows
     prompts: list[Optional[str]] = [None] * n
-    errors: list[Optional[str]] = [None] * n
+    # a row the source could not read (a bad JSONL/CSV line) arrives with its error text
+    errors: list[Optional[str]] = (table.column(ROW_ERROR).to_pylist() if ROW_ERROR in table.column_names
+                                   else [None] * n)
     chat = inp.chat or inp.messages_column is not None
     if inp.messages_column:
         for i, conv in enumerate(table.column(inp.messages_column).to_pylist()):
+            if errors[i] is not None:
+                continue
             if conv is None:
                 errors[i] = f"null messages (column {inp.messages_column!r})"
                 continue
@@ -170,6 +213,8 @@ def render(spec: JobSpec, table: pa.Table, tokenizer) -> Rendered:
             fields = inp.template_fields()
             cols = {f: table.column(f).to_pylist() for f in fields}
             for i in range(n):
+                if errors[i] is not None:
+                    continue
                 row = {f: cols[f][i] for f in fields}
                 nulls = [f for f, v in row.items() if v is None]
                 if nulls:
@@ -181,6 +226,8 @@ def render(spec: JobSpec, table: pa.Table, tokenizer) -> Rendered:
                     errors[i] = f"input.prompt_template failed on this row: {type(e).__name__}: {e}"
         else:
             for i, v in enumerate(table.column(inp.prompt_column).to_pylist()):
+                if errors[i] is not None:
+                    continue
                 if v is None:
                     errors[i] = f"null prompt (column {inp.prompt_column!r})"
                 else:
@@ -194,6 +241,7 @@ def render(spec: JobSpec, table: pa.Table, tokenizer) -> Rendered:
                 except TokenizerError as e:
                     errors[i] = str(e)
                     prompts[i] = None
+    params = _row_params(spec, table, errors)
     token_ids: list[Optional[list[int]]] = [None] * n
     todo = [i for i in range(n) if errors[i] is None and prompts[i]]
     for i in range(n):
@@ -201,7 +249,7 @@ def render(spec: JobSpec, table: pa.Table, tokenizer) -> Rendered:
             token_ids[i] = []      # the engine reports an empty prompt as an error row
     for i, ids in zip(todo, tokenizer.encode_batch([prompts[i] for i in todo], add_special_tokens=not chat)):
         token_ids[i] = ids
-    return Rendered(prompts, token_ids, errors)
+    return Rendered(prompts, token_ids, errors, params)
 
 
 # -- windows and order ------------------------------------------------------------------------
@@ -303,7 +351,8 @@ def plan_report(plan: JobPlan, sample: int = 256) -> dict[str, Any]:
     files = plan.source.listing.files
     return {
         "job": spec.name, "model": spec.model.path,
-        "input": {"uri": spec.input.uri, "format": type(plan.source).__name__.replace("Source", "").lower(),
+        "input": {"uri": spec.input.uri or f"sql: {spec.input.sql}",
+                  "format": type(plan.source).__name__.replace("Source", "").lower(),
                   "files": len(files), "bytes": sum(f.size for f in files),
                   "first_files": [f.path for f in files[:5]], "columns": plan.source.schema.names},
         "plan": {"rows": plan.num_rows, "units": len(plan.units), "unit_rows": spec.plan.unit_rows,

@@ -26,24 +26,32 @@ from typing import Any, Callable, Optional
 import pyarrow as pa
 
 from batchrun.connectors import ParquetSink, Unit
-from batchrun.connectors.sink import part_name
+from batchrun.connectors.sink import check_partition_types
 from batchrun.job.ledger import SUCCESS, SUMMARY, FingerprintMismatch, Ledger
+from batchrun.job.lock import JobLock, LockHeld
 from batchrun.job.plan import JobPlan, Rendered, fingerprint_hash, length_order, render, windows
 from batchrun.job.spec import JobSpec
 
-# Exit codes (README: "Exit codes"). A scheduler should retry 75 and 1, not 2, 3 or 4.
+# Exit codes (README: "Exit codes"). A scheduler should retry 1, 73, 74 and 75, not 2, 3 or 4.
 EXIT_OK = 0
 EXIT_UNEXPECTED = 1
 EXIT_BAD_JOB = 2          # bad job file or command line
 EXIT_INPUT = 3            # input or model unusable (missing column, corrupt file, unknown architecture)
 EXIT_FINGERPRINT = 4      # output holds a different job's results; --restart to discard them
+EXIT_LOCKED = 73          # EX_CANTCREAT: another live run holds _batchrun/lock.json; re-submit later
+EXIT_STORAGE = 74         # EX_IOERR: object-store I/O failed for good (retries spent, or denied); re-submit resumes
 EXIT_INTERRUPTED = 75     # EX_TEMPFAIL: SIGTERM/SIGINT; re-submit to resume
 
 PROGRESS_INTERVAL_S = 2.0
+# Engine counters copied into summary.json: batching, preemption (swap / recompute), prefix cache, speculation.
+SUMMARY_ENGINE_STATS = ("steps", "tokens_per_step", "num_blocks", "peak_blocks_used", "preemptions",
+                        "swapped_out_blocks", "swapped_in_blocks", "recomputed_tokens", "prefix_cache_queries",
+                        "prefix_cache_hits", "prefix_cache_hit_rate", "spec_proposed", "spec_accepted",
+                        "spec_acceptance_rate", "mean_tokens_per_decode_step")
 CRASH_ENV = "BATCHRUN_TEST_CRASH_AT"
 
 __all__ = ["JobRunner", "Interrupted", "FingerprintMismatch", "run_job", "EXIT_OK", "EXIT_UNEXPECTED",
-           "EXIT_BAD_JOB", "EXIT_INPUT", "EXIT_FINGERPRINT", "EXIT_INTERRUPTED"]
+           "EXIT_BAD_JOB", "EXIT_INPUT", "EXIT_FINGERPRINT", "EXIT_INTERRUPTED", "EXIT_LOCKED", "LockHeld"]
 
 
 class Interrupted(Exception):
@@ -126,6 +134,12 @@ class JobRunner:
         self._finished_rows = 0
         self._writer_error: Optional[BaseException] = None
         self._stop_reading = False      # the engine loop is over: the reader must not block on it
+        self.idle_s = 0.0               # engine loop time spent with nothing to run, waiting for input
+        # Hooks for a replica of a distributed run (batchrun.job.ray_runner); None in a local run.
+        self.on_commit: Optional[Callable[[Unit, dict], None]] = None      # after a unit's done marker
+        # read/render of a unit failed: instead of failing the job, skip it (None) or commit the returned
+        # _Prepared (its rows all errors)
+        self.on_unit_error: Optional[Callable[[Unit, BaseException], Optional[_Prepared]]] = None
 
     def _default_engine(self, tokenizer):
         from batchrun.engine.config import EngineConfig
@@ -135,10 +149,26 @@ class JobRunner:
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> dict:
-        """Run the job; returns the summary. Raises FingerprintMismatch, Interrupted, InputError."""
+        """Run the job under the output's lock; returns the summary. Raises LockHeld (another live run),
+        FingerprintMismatch, Interrupted, InputError. The lock is taken before the ledger opens, so
+        --restart can never reset the output under a live run."""
+        self.sink = ParquetSink(self.spec.output.uri, self.spec.output.storage_options)
+        self.job_lock = JobLock(self.sink, self.spec.name, log=self.log)
+        self.job_lock.acquire()
+        self.job_lock.start_heartbeat(PROGRESS_INTERVAL_S, self._lock_lost)
+        try:
+            return self._run_locked()
+        finally:
+            self.job_lock.release()
+
+    def _lock_lost(self, message: str) -> None:
+        self.stop_reason = message
+        self.stop.set()
+
+    def _run_locked(self) -> dict:
         spec, plan = self.spec, self.plan
         self.t_start = time.time()
-        self.sink = ParquetSink(spec.output.uri, spec.output.storage_options)
+        check_partition_types(plan.source.schema, spec.output.partition_by)
         self.ledger = Ledger(self.sink)
         done = self.ledger.open(plan.fingerprint, plan.info(), restart=self.restart)
         todo = [u for u in plan.units if u.index not in done]
@@ -165,6 +195,8 @@ class JobRunner:
                 raise Interrupted(f"stopped by {self.stop_reason}: {self._committed_units} unit(s) committed "
                                   f"this run; re-submit to resume")
             summary = self._summary()
+            if spec.output.openai_jsonl:     # from the committed parts, so exactly once like them
+                summary["openai_output"] = self._write_openai_output(summary["fingerprint"])
             self.ledger.finish(summary, before_success=lambda: self.crash("before_success"))
             self._progress("finished")
             return summary
@@ -176,12 +208,22 @@ class JobRunner:
         finally:
             self._restore_signals(old_handlers)
 
+    def _write_openai_output(self, fingerprint: str) -> str:
+        from batchrun.connectors.openai_output import write_openai_output
+        from batchrun.job.ledger import marker_files
+        parts = [(self.sink.path(n), float(m.get("committed_at") or 0))
+                 for k, m in sorted(self.ledger.done_markers().items()) for n in marker_files(k, m)]
+        model = os.path.basename(self.spec.model.path.rstrip("/")) or self.spec.model.path
+        return write_openai_output(self.sink, parts, model, fingerprint)
+
     def _install_signals(self):
         if threading.current_thread() is not threading.main_thread():
             return None
 
         def handler(signum, frame):
             if self.stop.is_set():      # a second signal: leave now, nothing half-visible stays
+                if getattr(self, "job_lock", None) is not None:
+                    self.job_lock.release(wait_s=2.0)
                 os._exit(EXIT_INTERRUPTED)
             self.stop_reason = signal.Signals(signum).name
             self.stop.set()
@@ -192,8 +234,21 @@ class JobRunner:
         for s, h in (old or {}).items():
             signal.signal(s, h)
 
+    def run_units(self, feed, sink: ParquetSink, ledger: Ledger) -> None:
+        """The pipeline alone, over an already-open output: no ledger.open, no summary, no signals.
+
+        feed: an iterable of windows (lists of units), which may block while more work is coming; a
+        Ray replica feeds the units its driver hands it. Fields read by _summary-like reports (engine_s,
+        loop_s, idle_s, stats, committed counters) are filled in as the run goes."""
+        self.t_start = time.time()
+        self.sink, self.ledger = sink, ledger
+        self.engine_s = self.loop_s = 0.0
+        self.stats, self.memory_ledger = {}, {}
+        self.rows_todo = 0
+        self._run_units(feed)
+
     # -- the three stages -------------------------------------------------------------------------
-    def _run_units(self, todo: list[Unit]) -> None:
+    def _run_units(self, todo) -> None:
         spec = self.spec
         read_q: queue.Queue = queue.Queue(maxsize=1)        # one window ready ahead of the engine
         write_q: queue.Queue = queue.Queue(maxsize=max(2, 2 * spec.plan.window_units))
@@ -230,16 +285,25 @@ class JobRunner:
         spec, plan = self.spec, self.plan
         cols = [c for c in spec.input.columns()]
         try:
-            for window in windows(todo, spec.plan.window_units):
+            for window in windows(todo, spec.plan.window_units) if isinstance(todo, list) else todo:
                 preps = []
                 for unit in window:
                     if self.stop.is_set() or self._stop_reading:
                         return
-                    table = plan.source.read(unit, cols)
-                    rendered = render(spec, table, plan.tokenizer)
+                    try:
+                        table = plan.source.read(unit, cols)
+                        rendered = render(spec, table, plan.tokenizer)
+                    except Exception as e:   # noqa: BLE001 - a replica reports it; a local run fails
+                        if self.on_unit_error is None:
+                            raise
+                        replacement = self.on_unit_error(unit, e)   # None: skip; a _Prepared: commit it
+                        if replacement is not None:
+                            preps.append(replacement)
+                        continue
                     keep = [c for c in [spec.input.id_column, *spec.input.passthrough] if c]
                     preps.append(_Prepared(unit, table.select(list(dict.fromkeys(keep))), rendered))
-                reqs = [(p.unit.index, i, ids, p.rendered.prompts[i]) for p in preps
+                reqs = [(p.unit.index, i, ids, p.rendered.prompts[i],
+                         (p.rendered.params[i] if p.rendered.params else None) or self.params) for p in preps
                         for i, ids in enumerate(p.rendered.token_ids) if p.rendered.errors[i] is None]
                 if spec.plan.order == "length":
                     order = length_order([r[2] for r in reqs], self.params.max_tokens, spec.engine.block_size)
@@ -271,10 +335,14 @@ class JobRunner:
                         if reader_done:
                             break
                         idle = not eng.has_unfinished_requests()
+                        w0 = time.perf_counter()
                         try:
                             item = read_q.get(timeout=0.2) if idle else read_q.get_nowait()
                         except queue.Empty:
                             break
+                        finally:
+                            if idle:
+                                self.idle_s += time.perf_counter() - w0
                         if item is _END:
                             reader_done = True
                             break
@@ -289,8 +357,8 @@ class JobRunner:
                                 states[p.unit.index] = st
                         pending.extend(reqs)
                         continue
-                    k, i, ids, prompt = pending.popleft()
-                    eng.add_request(f"{k}:{i}", ids, self.params, prompt=prompt)
+                    k, i, ids, prompt, params = pending.popleft()
+                    eng.add_request(f"{k}:{i}", ids, params, prompt=prompt)   # per-row params: openai_batch
                 if not eng.has_unfinished_requests():
                     if reader_done and not pending:
                         break
@@ -344,18 +412,26 @@ class JobRunner:
             try:
                 table, stats = self._result_table(st)
                 unit = st.prep.unit
-                c = self.sink.commit(unit.index, table, {**meta, "batchrun.unit": str(unit.index)},
-                                     before_publish=lambda: self.crash("mid_write"))
-                self.crash("after_part")
-                self.ledger.mark_done(unit.index, {
-                    "unit": unit.index, "file": part_name(unit.index), "bytes": c.bytes, "sha256": c.sha256,
-                    "rows": table.num_rows, **stats, "committed_at": time.time(),
-                    "input": {"path": unit.path, "row_start": unit.row_start, "num_rows": unit.num_rows}})
+                # parts, then a create-only done marker; None: another worker committed this unit first
+                marker = self.ledger.commit_unit(
+                    unit.index, table, {**meta, "batchrun.unit": str(unit.index)},
+                    {"rows": table.num_rows, **stats, "committed_at": time.time(),
+                     "input": {"path": unit.path, "row_start": unit.row_start, "num_rows": unit.num_rows}},
+                    partition_by=spec.output.partition_by, before_publish=lambda: self.crash("mid_write"),
+                    after_publish=lambda: self.crash("after_part"))
+                if marker is None:
+                    self.log(f"batchrun: unit {unit.index} was committed by another worker; not counted here")
+                    if self.on_commit is not None:
+                        self.on_commit(unit, {"rows": 0, "errors": 0, "prompt_tokens": 0, "output_tokens": 0,
+                                              "committed_elsewhere": True})
+                    continue
                 self.crash("after_done")
                 with self._lock:
                     self._committed_units += 1
                     self._committed_rows += table.num_rows
                     self._committed_out_tokens += stats["output_tokens"]
+                if self.on_commit is not None:
+                    self.on_commit(unit, {"rows": table.num_rows, **stats})
             except BaseException as e:   # noqa: BLE001 - surfaced by the main thread
                 self._writer_error = e
                 self.stop.set()
@@ -446,8 +522,7 @@ class JobRunner:
             "output_tokens_per_s": round(self._committed_out_tokens / wall, 2) if wall > 0 else None,
             "engine_loop_s": round(self.loop_s, 3), "engine_step_s": round(self.engine_s, 3),
             "engine_busy_fraction": round(self.engine_s / self.loop_s, 4) if self.loop_s > 0 else None,
-            "engine": {k: st[k] for k in ("steps", "tokens_per_step", "preemptions", "peak_blocks_used",
-                                          "num_blocks", "prefix_cache_hit_rate") if k in st},
+            "engine": {k: st[k] for k in SUMMARY_ENGINE_STATS if k in st},
             "memory_ledger": self.memory_ledger, "peak_rss_bytes": _peak_rss(),
             "fingerprint": fingerprint_hash(self.plan.fingerprint),
         }

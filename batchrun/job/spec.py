@@ -15,7 +15,8 @@ import typing
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from batchrun.engine.config import EngineConfig
 from batchrun.outputs import SamplingParams
@@ -39,9 +40,14 @@ class ModelSpec(_Strict):
 
 
 class InputSpec(_Strict):
-    """input: where the prompts are and how each row becomes one."""
-    uri: str
-    format: Optional[Literal["parquet", "jsonl", "csv"]] = None
+    """input: where the prompts are and how each row becomes one.
+
+    uri: files (any fsspec URL); or sql: a DuckDB query, run once per output and staged under
+    `<output>/_batchrun/input/`. format openai_batch: OpenAI Batch API request lines; the id is
+    custom_id, the prompt body.messages, and the body's sampling keys override `sampling` per row."""
+    uri: Optional[str] = None
+    sql: Optional[str] = None
+    format: Optional[Literal["parquet", "jsonl", "csv", "openai_batch"]] = None
     id_column: Optional[str] = None
     prompt_column: Optional[str] = None
     messages_column: Optional[str] = None
@@ -51,8 +57,21 @@ class InputSpec(_Strict):
     passthrough: list[str] = Field(default_factory=list)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
+    _base_dir: str = PrivateAttr(".")      # the job file's directory: relative paths inside input.sql
+
     @model_validator(mode="after")
     def _one_prompt_source(self):
+        if (self.uri is None) == (self.sql is None):
+            raise ValueError("set exactly one of uri (files) and sql (a DuckDB query)")
+        if self.sql is not None and self.format is not None:
+            raise ValueError("format applies to uri, not to sql")
+        if self.format == "openai_batch":     # the request lines say it all: id custom_id, body.messages
+            for key, fixed in (("id_column", "custom_id"), ("messages_column", "messages"),
+                               ("prompt_column", None), ("prompt_template", None)):
+                if getattr(self, key) not in (None, fixed):
+                    raise ValueError(f"{key} does not apply to format openai_batch (custom_id is the id, "
+                                     "body.messages the prompt)")
+            self.id_column, self.messages_column = "custom_id", "messages"
         if self.messages_column is not None and (self.prompt_column or self.prompt_template):
             raise ValueError("messages_column cannot be combined with prompt_column or prompt_template")
         if self.prompt_column is None and self.messages_column is None and self.prompt_template is None:
@@ -90,6 +109,8 @@ class OutputSpec(_Strict):
     uri: str
     include_prompt: bool = False
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    partition_by: list[str] = Field(default_factory=list)   # hive-style c=v/ directories; passthrough columns
+    openai_jsonl: bool = False     # also write <uri>/openai_output.jsonl in OpenAI Batch output format
 
 
 class PlanSpec(_Strict):
@@ -110,6 +131,20 @@ def _model_from_dataclass(name: str, cls, skip: set[str]):
     return create_model(name, __base__=_Strict, **spec)
 
 
+class RuntimeSpec(_Strict):
+    """runtime: where the job runs. `local` (default): this process, one engine. `ray`: one engine replica
+    per Ray actor, over the same units and ledger (batchrun.job.ray_runner; needs `batchrun[ray]`)."""
+    backend: Literal["local", "ray"] = "local"
+    address: Optional[str] = None              # ray.init address: None = $RAY_ADDRESS or a new local Ray;
+    #                                            "auto" = the cluster `ray start` joined this machine to
+    replicas: Optional[int] = Field(None, ge=1)        # None: as many as the cluster's GPUs (or CPUs) fit
+    gpus_per_replica: Optional[float] = Field(None, ge=0)   # None: 1 if the cluster has GPUs, else 0
+    cpus_per_replica: float = Field(1.0, gt=0)          # also the replica's torch thread count (rounded up)
+    max_restarts: int = Field(3, ge=0)                  # Ray restarts of a dead replica before giving up on it
+    max_unit_attempts: int = Field(3, ge=1)             # a unit failing this often is committed as error rows
+    units_in_flight: Optional[int] = Field(None, ge=1)  # per replica; None: 2 x plan.window_units
+
+
 SamplingSpec = _model_from_dataclass("SamplingSpec", SamplingParams, {"n"})
 EngineSpec = _model_from_dataclass("EngineSpec", EngineConfig, {"model", "dtype", "extra"})
 
@@ -123,6 +158,7 @@ class JobSpec(_Strict):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)      # type: ignore[valid-type]
     engine: EngineSpec = Field(default_factory=EngineSpec)            # type: ignore[valid-type]
     plan: PlanSpec = Field(default_factory=PlanSpec)
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
 
     @field_validator("name")
     @classmethod
@@ -199,15 +235,37 @@ def parse_job(data: Any, source: str = "<job>", base_dir: str = ".") -> JobSpec:
     except ValidationError as e:
         raise JobError(_format_errors(e, source)) from None
     spec.model.path = _resolve(spec.model.path, base_dir)
-    spec.input.uri = _resolve(spec.input.uri, base_dir) + ("/" if spec.input.uri.endswith("/") else "")
+    if spec.input.uri is not None:
+        spec.input.uri = _resolve(spec.input.uri, base_dir) + ("/" if spec.input.uri.endswith("/") else "")
+    spec.input._base_dir = os.path.abspath(base_dir)
     spec.output.uri = _resolve(spec.output.uri, base_dir)
     spec.input.template_fields()
+    _check_storage(spec, source)
     try:
         spec.sampling_params()
         EngineConfig(model=spec.model.path, dtype=spec.model.dtype, **spec.engine_kwargs())
     except (ValueError, TypeError) as e:
         raise JobError(f"{source}: {e}") from None
     return spec
+
+
+def _check_storage(spec: JobSpec, source: str) -> None:
+    """output.partition_by names passthrough columns; every `${VAR}` in storage_options is set (the
+    values are substituted only when a filesystem is built: connectors/secrets.py)."""
+    from batchrun.connectors.secrets import MissingEnvVar, check_references
+    part = spec.output.partition_by
+    missing = [c for c in part if c not in spec.input.passthrough]
+    if missing:
+        raise JobError(f"{source}: output.partition_by: column {missing[0]!r} is not an input.passthrough "
+                       f"column (passthrough: {', '.join(spec.input.passthrough) or 'none'}); partition "
+                       "columns are copied from the input")
+    if len(set(part)) != len(part):
+        raise JobError(f"{source}: output.partition_by lists a column twice")
+    try:
+        check_references(spec.input.storage_options, "input.storage_options")
+        check_references(spec.output.storage_options, "output.storage_options")
+    except MissingEnvVar as e:
+        raise JobError(f"{source}: {e}") from None
 
 
 def load_job(path: str, overrides: Union[list[str], tuple[str, ...]] = ()) -> JobSpec:

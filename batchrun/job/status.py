@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from batchrun.connectors import ParquetSink
 from batchrun.job.ledger import SUCCESS, Ledger
+from batchrun.job.lock import JobLock
 
 STALE_AFTER_S = 15.0
 
@@ -36,6 +37,11 @@ def job_status(output_uri: str, storage_options: Optional[dict] = None) -> dict[
     ledger = Ledger(sink)
     manifest = ledger.read_manifest()
     out: dict[str, Any] = {"output": sink.url}
+    lock = JobLock(sink)
+    held = lock.read()
+    if held is not None:     # who holds _batchrun/lock.json, and whether a re-submit would take it over
+        out["lock"] = {**{k: held.get(k) for k in ("pid", "host", "job", "started_at", "heartbeat_at")},
+                       "holder": lock.describe(held), "stale": lock.stale_reason(held)}
     if manifest is None:
         out.update(state="not started", detail=f"no {sink.url}/_batchrun/manifest.json")
         return out
@@ -49,6 +55,8 @@ def job_status(output_uri: str, storage_options: Optional[dict] = None) -> dict[
                output_tokens=sum(int(m.get("output_tokens", 0)) for m in markers.values()),
                rows_per_s=prog.get("rows_per_s"), output_tokens_per_s=prog.get("output_tokens_per_s"),
                eta_s=None, pid=prog.get("pid"), updated_at=prog.get("updated_at"))
+    if prog.get("replicas") is not None:      # a Ray run: the driver's per-replica rows (see ray_runner)
+        out.update(backend=prog.get("backend", "ray"), replicas=prog["replicas"])
     if ledger.exists(SUCCESS):
         out["state"] = "finished"
         return out
@@ -81,7 +89,7 @@ def _dur(s: Optional[float]) -> str:
 def format_status(st: dict[str, Any]) -> str:
     """Human-readable lines for `batchrun status`."""
     if st["state"] == "not started":
-        return f"{st['output']}: not started ({st.get('detail', '')})"
+        return f"{st['output']}: not started ({st.get('detail', '')})" + _lock_line(st)
     pct = 100.0 * st["rows_done"] / st["rows_total"] if st.get("rows_total") else 100.0
     lines = [f"job {st.get('job')} -> {st['output']}: {st['state']}",
              f"  units {st['units_done']}/{st['units_total']}  rows {st['rows_done']}/{st['rows_total']} "
@@ -89,6 +97,20 @@ def format_status(st: dict[str, Any]) -> str:
     if st["state"] == "running":
         lines.append(f"  {st.get('rows_per_s') or 0:.1f} rows/s  {st.get('output_tokens_per_s') or 0:.1f} "
                      f"output tok/s  ETA {_dur(st.get('eta_s'))}")
+    for r in st.get("replicas") or []:
+        idle = r.get("idle_fraction")
+        lines.append(f"  replica {r['replica']} ({r.get('state')}, pid {r.get('pid')} on {r.get('host')}): "
+                     f"units {r.get('units_committed', 0)}  rows {r.get('rows_finished', 0)}  "
+                     f"{r.get('rows_per_s') or 0:.1f} rows/s  {r.get('output_tokens_per_s') or 0:.1f} tok/s  "
+                     f"idle {'-' if idle is None else f'{100 * idle:.0f}%'}  restarts {r.get('restarts', 0)}")
     if st.get("detail"):
         lines.append(f"  {st['detail']}")
-    return "\n".join(lines)
+    return "\n".join(lines) + _lock_line(st)
+
+
+def _lock_line(st: dict[str, Any]) -> str:
+    lk = st.get("lock")
+    if not lk:
+        return ""
+    return f"\n  lock: {lk['holder']}" + (f" (stale: {lk['stale']}; a re-submit takes it over)"
+                                         if lk.get("stale") else "")
