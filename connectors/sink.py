@@ -90,6 +90,18 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _write_all(f, data: bytes) -> None:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def write_synced(path: str, data: bytes) -> None:
+    """Write and fsync `path`: its bytes are durable before it is renamed or linked into view."""
+    with open(path, "wb") as f:
+        _write_all(f, data)
+
+
 @dataclass
 class Committed:
     path: str
@@ -123,7 +135,7 @@ class ParquetSink:
         metadata: file key-value metadata (non-str values are JSON-encoded).
         before_publish: called once the bytes are complete but not yet visible (a crash-test hook).
         """
-        return self._publish(part_name(index), self._encode(table, metadata), before_publish)
+        return self.publish(part_name(index), self._encode(table, metadata), before_publish)
 
     def commit_partitioned(self, index: int, table: pa.Table, metadata: dict[str, Any],
                            partition_by: list[str], before_publish: Optional[Callable[[], None]] = None
@@ -142,7 +154,7 @@ class ParquetSink:
         for n, (k, rows) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0])):
             data = self._encode(rest.take(pa.array(rows, pa.int64())), metadata)
             name = f"{partition_dir(partition_by, k)}/{part_name(index)}"
-            out.append(self._publish(name, data, before_publish if n == 0 else None))
+            out.append(self.publish(name, data, before_publish if n == 0 else None))
         return out
 
     @staticmethod
@@ -153,7 +165,7 @@ class ParquetSink:
         pq.write_table(table, buf, compression="zstd", row_group_size=ROW_GROUP_ROWS)
         return buf.getvalue()
 
-    def _publish(self, name: str, data: bytes, before_publish: Optional[Callable[[], None]]) -> Committed:
+    def publish(self, name: str, data: bytes, before_publish: Optional[Callable[[], None]] = None) -> Committed:
         """Make `name` (relative) appear with exactly `data`: local, fsynced temp file + rename; object
         store, one PUT of the final key (retried on transient errors; a PUT is all-or-nothing)."""
         final = self.path(name)
@@ -161,10 +173,7 @@ class ParquetSink:
             tmp_dir = self.path("_batchrun/tmp")
             os.makedirs(tmp_dir, exist_ok=True)
             tmp = f"{tmp_dir}/{name.replace('/', '~')}.{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            write_synced(tmp, data)
             if before_publish:
                 before_publish()
             parent = os.path.dirname(final)
@@ -191,10 +200,7 @@ class ParquetSink:
             os.makedirs(tmp_dir, exist_ok=True)
             os.makedirs(os.path.dirname(final), exist_ok=True)
             tmp = f"{tmp_dir}/{name.replace('/', '~')}.{uuid.uuid4().hex}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            write_synced(tmp, data)
             try:
                 os.link(tmp, final)
             except FileExistsError:
@@ -205,9 +211,7 @@ class ParquetSink:
                 except FileExistsError:
                     return False
                 with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                    _write_all(f, data)
             finally:
                 os.unlink(tmp)
             fsync_dir(os.path.dirname(final))

@@ -17,14 +17,12 @@ Every store call is retried on transient failures; listings bypass the fsspec li
 from __future__ import annotations
 
 import json
-import os
 import time
-import uuid
 from typing import Any, Callable, Optional, Sequence
 
 from batchrun.connectors.base import full_path
 from batchrun.connectors.retry import retry_io
-from batchrun.connectors.sink import ParquetSink, fsync_dir, part_name
+from batchrun.connectors.sink import ParquetSink, part_name
 
 MANIFEST = "_batchrun/manifest.json"
 DONE_DIR = "_batchrun/done"
@@ -79,18 +77,7 @@ class Ledger:
     def write_json(self, name: str, obj: Any) -> None:
         """Atomic replace: a reader sees the old or the new content, never a torn file."""
         data = (json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode()
-        path = self._path(name)
-        if self.sink.local:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fsync_dir(os.path.dirname(path))
-        else:
-            retry_io(lambda: self.fs.pipe_file(path, data), self._url(name), "put")
+        self.sink.publish(name, data)
 
     def _url(self, name: str) -> str:
         return full_path(self.fs, self._path(name))

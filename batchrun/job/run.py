@@ -245,14 +245,18 @@ class JobRunner:
         self.engine_s = self.loop_s = 0.0
         self.stats, self.memory_ledger = {}, {}
         self.rows_todo = 0
-        self._run_units(feed)
+        self._pipeline(feed)
 
     # -- the three stages -------------------------------------------------------------------------
-    def _run_units(self, todo) -> None:
+    def _run_units(self, todo: list[Unit]) -> None:
+        self._pipeline(windows(todo, self.spec.plan.window_units))
+
+    def _pipeline(self, feed) -> None:
+        """feed: an iterable of windows (lists of units)."""
         spec = self.spec
         read_q: queue.Queue = queue.Queue(maxsize=1)        # one window ready ahead of the engine
         write_q: queue.Queue = queue.Queue(maxsize=max(2, 2 * spec.plan.window_units))
-        reader = threading.Thread(target=self._reader, args=(todo, read_q), name="batchrun-reader", daemon=True)
+        reader = threading.Thread(target=self._reader, args=(feed, read_q), name="batchrun-reader", daemon=True)
         writer = threading.Thread(target=self._writer, args=(write_q,), name="batchrun-writer", daemon=True)
         reader.start()               # reads and tokenizes while the weights load
         writer.start()
@@ -281,11 +285,11 @@ class JobRunner:
                 if force and self._writer_error is not None:
                     return False
 
-    def _reader(self, todo: list[Unit], read_q: queue.Queue) -> None:
+    def _reader(self, feed, read_q: queue.Queue) -> None:
         spec, plan = self.spec, self.plan
         cols = [c for c in spec.input.columns()]
         try:
-            for window in windows(todo, spec.plan.window_units) if isinstance(todo, list) else todo:
+            for window in feed:
                 preps = []
                 for unit in window:
                     if self.stop.is_set() or self._stop_reading:
