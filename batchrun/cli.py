@@ -85,6 +85,7 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
     runner_cls, ray_error = _backend(spec, ray, as_json)
     plan = _plan(spec, as_json, restart=restart)   # --restart re-runs input.sql
     from batchrun.connectors import InputError
+    from batchrun.connectors.secrets import MissingEnvVar
     from batchrun.job.ledger import FingerprintMismatch
     from batchrun.job.run import Interrupted, LockHeld
     try:
@@ -101,6 +102,8 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
             print(json.dumps({"ok": False, "state": "interrupted", "exit_code": EXIT_INTERRUPTED, "error": str(e)}),
                   flush=True)
         raise typer.Exit(EXIT_INTERRUPTED)
+    except MissingEnvVar as e:    # a ${VAR} of storage_options unset where it was expanded (a Ray node)
+        _fail(EXIT_BAD_JOB, str(e), as_json)
     except StorageError as e:     # names the URL and the error; a re-submit resumes
         _fail(EXIT_STORAGE, str(e), as_json)
     except (InputError, ValueError) as e:     # ModelError, TokenizerError are ValueErrors naming the file
