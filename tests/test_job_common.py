@@ -106,3 +106,24 @@ def reference(model: str, texts: list, max_tokens: int = MAX_TOKENS) -> list:
     from batchrun.outputs import SamplingParams
     llm = LLM(model=model, dtype="float32", max_num_seqs=64, kv_cache_memory=32 << 20, swap_space=0)
     return llm.generate(texts, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+
+
+def reference_output(d, model: str, n: int, unit_rows: int, seed: int) -> tuple[dict, list]:
+    """Prompt files under d/in and the uninterrupted in-process run over them (output d/ref): the job
+    dict and its rows, the oracle every crashed, locked or resumed run must reproduce."""
+    from batchrun.job.plan import make_plan
+    from batchrun.job.run import JobRunner
+    from batchrun.job.spec import parse_job
+    write_prompt_files(str(d / "in"), n, files=3, row_group_size=unit_rows, seed=seed)
+    job = job_dict(model, str(d / "in"), str(d / "ref"), plan={"unit_rows": unit_rows, "window_units": 2},
+                   engine={"max_num_seqs": 16})
+    JobRunner(make_plan(parse_job(job, "<ref>", "/")), progress_bar=False).run()
+    ref = results(str(d / "ref"))
+    assert len(ref) == n
+    return job, ref
+
+
+def job_for(d, job: dict, name: str) -> tuple[str, str]:
+    """(job file, output dir) of `job` redirected to output d/name."""
+    out = str(d / name)
+    return write_job(str(d / f"{name}.yaml"), {**job, "output": {"uri": out}}), out

@@ -10,10 +10,9 @@ import time
 
 import pytest
 
-from batchrun.job.plan import make_plan
-from batchrun.job.run import EXIT_INTERRUPTED, JobRunner
-from batchrun.job.spec import parse_job
-from test_job_common import cli, counts, job_dict, popen_cli, results, tiny_model, write_job, write_prompt_files  # noqa: F401,E501
+from batchrun.job.run import EXIT_INTERRUPTED
+from test_job_common import job_for as common_job_for
+from test_job_common import cli, counts, popen_cli, reference_output, results, tiny_model  # noqa: F401
 
 N = 300
 UNITS = 12
@@ -22,21 +21,13 @@ UNITS = 12
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_model):  # noqa: F811
     d = tmp_path_factory.mktemp("crash")
-    write_prompt_files(str(d / "in"), N, files=3, row_group_size=25, seed=11)
-    job = job_dict(tiny_model, str(d / "in"), str(d / "ref"), plan={"unit_rows": 25, "window_units": 2},
-                   engine={"max_num_seqs": 16})
-    # the uninterrupted run: the oracle every crashed-and-resumed run must reproduce
-    JobRunner(make_plan(parse_job(job, "<ref>", "/")), progress_bar=False).run()
-    ref = results(str(d / "ref"))
-    assert len(ref) == N
+    job, ref = reference_output(d, tiny_model, N, unit_rows=25, seed=11)
     return d, job, ref
 
 
 def job_for(setup, name):
     d, job, _ = setup
-    out = str(d / name)
-    path = write_job(str(d / f"{name}.yaml"), {**job, "output": {"uri": out}})
-    return path, out
+    return common_job_for(d, job, name)
 
 
 def done_dir(out):

@@ -21,11 +21,10 @@ import pytest
 
 from batchrun.connectors import ParquetSink
 from batchrun.job.lock import LOCK, TAKEOVER_PREFIX, JobLock, LockHeld, process_space
-from batchrun.job.plan import make_plan
-from batchrun.job.run import EXIT_LOCKED, EXIT_OK, JobRunner
-from batchrun.job.spec import parse_job
-from test_job_common import (REPO, cli, counts, job_dict, popen_cli, results, tiny_model,  # noqa: F401
-                             write_job, write_prompt_files)
+from batchrun.job.run import EXIT_LOCKED, EXIT_OK
+from test_job_common import job_for as common_job_for
+from test_job_common import (REPO, cli, counts, popen_cli, reference_output, results,  # noqa: F401
+                             tiny_model)
 
 N = 240
 UNITS = 12
@@ -356,19 +355,13 @@ def test_s3_racing_threads_exactly_one_wins_and_stale_locks_are_recovered(s3):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_model):  # noqa: F811
     d = tmp_path_factory.mktemp("lock")
-    write_prompt_files(str(d / "in"), N, files=3, row_group_size=20, seed=5)
-    job = job_dict(tiny_model, str(d / "in"), str(d / "ref"), plan={"unit_rows": 20, "window_units": 2},
-                   engine={"max_num_seqs": 16})
-    JobRunner(make_plan(parse_job(job, "<ref>", "/")), progress_bar=False).run()   # the oracle
-    ref = results(str(d / "ref"))
-    assert len(ref) == N
+    job, ref = reference_output(d, tiny_model, N, unit_rows=20, seed=5)
     return d, job, ref
 
 
 def job_for(setup, name):
     d, job, _ = setup
-    out = str(d / name)
-    return write_job(str(d / f"{name}.yaml"), {**job, "output": {"uri": out}}), out
+    return common_job_for(d, job, name)
 
 
 def n_done(out):
