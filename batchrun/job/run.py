@@ -134,7 +134,13 @@ class JobRunner:
         self._finished_rows = 0
         self._writer_error: Optional[BaseException] = None
         self._stop_reading = False      # the engine loop is over: the reader must not block on it
+        # Reported while the run goes (progress, a replica's poll from another thread), so set up front.
+        self.engine_s = 0.0             # inside engine.step()
+        self.loop_s = 0.0               # the engine loop's wall time
         self.idle_s = 0.0               # engine loop time spent with nothing to run, waiting for input
+        self.rows_todo = 0
+        self.stats: dict = {}
+        self.memory_ledger: dict = {}
         # Hooks for a replica of a distributed run (batchrun.job.ray_runner); None in a local run.
         self.on_commit: Optional[Callable[[Unit, dict], None]] = None      # after a unit's done marker
         # read/render of a unit failed: instead of failing the job, skip it (None) or commit the returned
@@ -178,10 +184,6 @@ class JobRunner:
         if done:
             self.log(f"batchrun: resuming {spec.name}: {len(done)} of {len(plan.units)} units already "
                      f"committed, {len(todo)} to go")
-        self.engine_s = 0.0
-        self.loop_s = 0.0
-        self.stats: dict = {}
-        self.memory_ledger: dict = {}
         if not todo and self.ledger.exists(SUCCESS):
             stored = self.ledger.read_json(SUMMARY) or {}   # a finished job: report it, rewrite nothing
             return {**stored, "units_committed": 0, "units_skipped": len(done), "rows_this_run": 0}
@@ -242,9 +244,6 @@ class JobRunner:
         loop_s, idle_s, stats, committed counters) are filled in as the run goes."""
         self.t_start = time.time()
         self.sink, self.ledger = sink, ledger
-        self.engine_s = self.loop_s = 0.0
-        self.stats, self.memory_ledger = {}, {}
-        self.rows_todo = 0
         self._pipeline(feed)
 
     # -- the three stages -------------------------------------------------------------------------
