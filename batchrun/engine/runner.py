@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Optional
 
 import numpy as np
 import torch
