@@ -451,6 +451,16 @@ class Tokenizer:
                 f"{'yes' if self.chat_template else 'no'})")
 
 
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a model path: an HF directory (Tokenizer.from_dir) or a GGUF file's metadata."""
+    from batchrun.models.loader import find_gguf
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        from batchrun.gguf_tokenizer import tokenizer_from_gguf
+        return tokenizer_from_gguf(gguf_file)
+    return Tokenizer.from_dir(path)
+
+
 def _read_text(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:

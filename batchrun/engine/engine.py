@@ -24,8 +24,8 @@ class LLMEngine:
         self.config = config
         info = inspect_model(config.model)   # fails on a bad directory before any weight is read
         if tokenizer is None:
-            from batchrun.tokenizer import Tokenizer
-            tokenizer = Tokenizer.from_dir(config.model)
+            from batchrun.tokenizer import load_tokenizer
+            tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
         max_len = config.max_model_len or info.max_model_len
         if max_len > info.max_model_len:

@@ -58,9 +58,9 @@ def make_plan(spec: JobSpec, load_tokenizer: bool = True, restart: bool = False,
         raise InputError(f"model.path: {e}") from e
     tokenizer = None
     if load_tokenizer:
-        from batchrun.tokenizer import Tokenizer
+        from batchrun.tokenizer import load_tokenizer as _load_tokenizer
         try:
-            tokenizer = Tokenizer.from_dir(spec.model.path)
+            tokenizer = _load_tokenizer(spec.model.path)
         except (ValueError, OSError) as e:
             raise InputError(f"model.path: {spec.model.path}: tokenizer: {e}") from e
         if (spec.input.chat or spec.input.messages_column) and not tokenizer.chat_template:

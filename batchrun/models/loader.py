@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -99,8 +99,27 @@ def _count_params(files: list[str]) -> int:
     return total
 
 
+def find_gguf(path: str) -> Optional[str]:
+    """The GGUF file `path` stands for: a `.gguf` file itself, or the one `*.gguf` in a directory that has
+    no config.json; None for anything else (an HF directory, a missing path)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return path if path.lower().endswith(".gguf") else None
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "config.json")):
+        return None
+    found = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
+    if len(found) > 1:
+        raise ModelError(f"{path}: holds several GGUF files ({', '.join(found)}); name one in model.path")
+    return os.path.join(path, found[0]) if found else None
+
+
 def inspect_model(path: str) -> ModelInfo:
-    """Validate a model directory from config.json and safetensors headers alone (no weight is read)."""
+    """Validate a model from its metadata alone (no weight is read): an HF directory's config.json and
+    safetensors headers, or a GGUF file's header (models/gguf.py)."""
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        from batchrun.models.gguf import inspect_gguf
+        return inspect_gguf(gguf_file)
     if not os.path.isdir(path):
         raise ModelError(f"model path {path!r} is not a directory")
     cfg_path = os.path.join(path, "config.json")
