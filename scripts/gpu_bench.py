@@ -7,6 +7,8 @@ large device copy, and the paged decode attention kernel's achieved fraction of 
 
     python scripts/gpu_bench.py [--out result.json]
     python scripts/gpu_bench.py --tiny       # a seconds-long run of the same code path (CPU too)
+
+Without CUDA it refuses (exit 2) unless --tiny or an explicit --device cpu asks for the CPU.
 """
 from __future__ import annotations
 
@@ -75,8 +77,11 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small model and workload: checks the code path")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--out", default=None, help="write the JSON here as well as to stdout")
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="auto", help="auto (CUDA), cuda or cpu (cpu: an explicit dry run)")
     args = ap.parse_args()
+    if args.device == "auto" and not args.tiny and not torch.cuda.is_available():
+        ap.exit(2, "gpu_bench.py: CUDA is not available here; run it on a GPU machine, or pass --tiny "
+                   "(or --device cpu) for a CPU run\n")
     from batchrun import LLM, SamplingParams
     from batchrun.demo import write_demo_model
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

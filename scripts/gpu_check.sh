@@ -2,12 +2,38 @@
 # One-command GPU check (under 5 minutes on one GPU). Writes figures as JSON to $OUT when set, else stdout.
 #   1. kernel tests on CUDA   2. batchrun vs HF greedy equality on CUDA
 #   3. throughput of a ~1B Llama-shape model   4. decode attention kernel vs copy bandwidth
-# GPU_CHECK_TINY=1 runs the same steps at toy size (CI runs it on CPU to keep the script honest).
+# --tiny (or GPU_CHECK_TINY=1) runs the same steps at toy size, on the CPU too (CI keeps the script honest).
 set -uo pipefail
+usage() {
+    cat <<'USAGE'
+usage: scripts/gpu_check.sh [--tiny] [--help]
+
+Runs on one CUDA GPU (under 5 minutes): the kernel tests on CUDA, batchrun vs HF greedy equality,
+a ~1B-model throughput run (scripts/gpu_bench.py) and the decode-attention bandwidth check.
+Prints one JSON object; with $OUT set it also writes $OUT/gpu_check.json and the logs.
+
+  --tiny    toy sizes: a seconds-long dry run of the same steps, allowed without CUDA
+  --help    this text
+
+Environment: PYTHON (interpreter, default python), OUT (where to write), GPU_CHECK_TINY=1 (= --tiny).
+Without CUDA (and without --tiny) it refuses at once with exit 2.
+USAGE
+}
+tiny=${GPU_CHECK_TINY:-0}
+for arg in "$@"; do
+    case "$arg" in
+        -h|--help) usage; exit 0 ;;
+        --tiny) tiny=1 ;;
+        *) echo "gpu_check.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+    esac
+done
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python}
-tiny=${GPU_CHECK_TINY:-0}
 dest=${OUT:-}
+if [ "$tiny" != 1 ] && ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_check.sh: CUDA is not available here (torch.cuda.is_available() is False); run it on a GPU machine, or pass --tiny for the CPU dry run" >&2
+    exit 2
+fi
 work=$(mktemp -d)
 status=0
 

@@ -25,3 +25,30 @@ def test_gpu_bench_rejects_unknown_arguments():
     r = subprocess.run([sys.executable, "scripts/gpu_bench.py", "--no-such-flag"], capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 2 and "unrecognized arguments" in r.stderr
+
+
+def _run(*cmd, env=None):
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=120, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_gpu_check_help_and_unknown_flags_answer_at_once():
+    r = _run("bash", "scripts/gpu_check.sh", "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: scripts/gpu_check.sh") and "--tiny" in r.stdout
+    r = _run("bash", "scripts/gpu_check.sh", "--bogus")
+    assert r.returncode == 2 and "unknown argument '--bogus'" in r.stderr
+
+
+def test_gpu_scripts_refuse_without_cuda_unless_asked_for_the_cpu_run():
+    import torch
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("the refusal is the CPU-only path; on a GPU machine gpu_check.sh runs for real")
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("GPU_CHECK_TINY", None)
+    r = _run("bash", "scripts/gpu_check.sh", env=env)
+    assert r.returncode == 2 and "CUDA is not available" in r.stderr and r.stdout == ""
+    r = _run(sys.executable, "scripts/gpu_bench.py")
+    assert r.returncode == 2 and "CUDA is not available" in r.stderr
+    r = _run(sys.executable, "scripts/gpu_bench.py", "--help")
+    assert r.returncode == 0 and "--tiny" in r.stdout
