@@ -89,8 +89,10 @@ class _Metadata:
             return None
         types = [int(t) for t in field.types]
         allowed = self._KINDS[kind]
-        ok = (len(types) == 2 and types[0] == 9 and types[1] in allowed) if array else types == [types[0]] \
-            and types[0] in allowed
+        if array:   # 9 is GGUFValueType.ARRAY, followed by the element type
+            ok = len(types) == 2 and types[0] == 9 and types[1] in allowed
+        else:
+            ok = len(types) == 1 and types[0] in allowed
         if not ok:
             what = {"str": "string", "int": "integer", "bool": "boolean", "float": "float"}[kind]
             raise TokenizerError(f"{self.file}: metadata key {key!r} is not "
