@@ -199,7 +199,8 @@ def test_status_of_a_killed_job_is_failed(job_dir, tiny_model):  # noqa: F811
 
 
 def test_demo_then_submit(tmp_path):
-    r = invoke("demo", str(tmp_path / "demo"))
+    # the random model: the whole CLI path in seconds (the SmolLM2 demo runs in test_demo_real.py)
+    r = invoke("demo", str(tmp_path / "demo"), "--model", "random")
     assert r.exit_code == EXIT_OK
     job = str(tmp_path / "demo" / "job.yaml")
     assert r.stdout.strip().splitlines()[-1] == f"batchrun submit {job}"

@@ -121,15 +121,16 @@ def job_fingerprint(spec: JobSpec, source: Source, model: ModelInfo) -> dict[str
     left out, so they can be tuned between attempts; storage_options never enter (credentials).
     """
     inp = spec.input
-    return {
-        "model": {
+    if model.format == "gguf":   # one file holds config, tokenizer and weights: its identity is the model's
+        model_fp = {"gguf": model.identity}
+    else:
+        model_fp = {
             "config_sha256": _sha256_file(os.path.join(model.path, "config.json")),
             "weights": [[os.path.basename(f), os.path.getsize(f)] for f in model.weight_files],
             "tokenizer_sha256": {n: h for n in TOKENIZER_FILES
-                                 if (h := _sha256_file(os.path.join(model.path, n))) is not None},
-            "dtype": spec.model.dtype,
-            "max_model_len": spec.engine.max_model_len,
-        },
+                                 if (h := _sha256_file(os.path.join(model.path, n))) is not None}}
+    return {
+        "model": model_fp | {"dtype": spec.model.dtype, "max_model_len": spec.engine.max_model_len},
         "sampling": spec.sampling.model_dump(mode="json"),
         "prompt": {k: getattr(inp, k) for k in ("id_column", "prompt_column", "messages_column",
                                                 "prompt_template", "chat", "system_prompt", "passthrough")}
@@ -306,8 +307,8 @@ def _stats(xs: list[int]) -> dict[str, Any]:
 
 def plan_report(plan: JobPlan, sample: int = 256) -> dict[str, Any]:
     """What `batchrun validate` prints: files, units, rows, prompt-length statistics from a sample of the
-    first rows, the memory ledger (from config.json and the safetensors headers: no weights load) and
-    whether the output would start fresh, resume, or be refused."""
+    first rows, the memory ledger (from config.json and the safetensors headers, or the GGUF header: no
+    weights load) and whether the output would start fresh, resume, or be refused."""
     from batchrun.connectors import ParquetSink
     from batchrun.job.ledger import SUCCESS, Ledger
     spec, info = plan.spec, plan.model
@@ -328,10 +329,15 @@ def plan_report(plan: JobPlan, sample: int = 256) -> dict[str, Any]:
     max_len = spec.engine.max_model_len or info.max_model_len
     dtype = info.torch_dtype(spec.model.dtype)
     kvb = info.kv_bytes_per_token(dtype)
-    budget, how = _kv_budget_estimate(spec, info.weights_bytes)
+    memory = info.memory_bytes(dtype)
+    budget, how = _kv_budget_estimate(spec, memory)
     kv_tokens = None if budget is None else budget // kvb
-    ledger = {"architecture": info.architecture, "num_params": info.num_params,
-              "weights_bytes": info.weights_bytes, "dtype": str(dtype).replace("torch.", ""),
+    # on disk: the file's own tensor types (F32, BF16, Q4_1, ...); in memory: every parameter in `dtype`
+    ledger = {"architecture": info.architecture, "format": info.format, "num_params": info.num_params,
+              "weights_bytes": info.weights_bytes,
+              "weights_on_disk": {k: {"tensors": n, "bytes": b} for k, (n, b) in
+                                  sorted(info.tensor_types.items(), key=lambda kv: -kv[1][1])},
+              "weights_memory_bytes": memory, "dtype": str(dtype).replace("torch.", ""),
               "kv_bytes_per_token": kvb, "max_model_len": max_len, "kv_cache_bytes": budget, "kv_budget": how,
               "kv_tokens": kv_tokens,
               "max_concurrency_at_max_model_len": None if kv_tokens is None else round(kv_tokens / max_len, 2),
@@ -384,9 +390,13 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"prompts sample of {s['rows']} rows: none renderable ({s['render_errors']} render errors)")
     if s["first_error"]:
         lines.append(f"          first error: {s['first_error']}")
-    lines += [f"model   {r['model']}: {m['architecture']}, {m['num_params'] / 1e6:.2f}M params, weights "
-              f"{mib(m['weights_bytes'])} ({m['dtype']}), max_model_len {m['max_model_len']}",
-              f"memory  KV {m['kv_bytes_per_token']} B/token; cache {mib(m['kv_cache_bytes'])} ({m['kv_budget']})"
+    lines += [f"model   {r['model']}: {m['architecture']} ({m['format']}), {m['num_params'] / 1e6:.2f}M params, "
+              f"max_model_len {m['max_model_len']}",
+              f"weights on disk {mib(m['weights_bytes'])} -> in memory {mib(m['weights_memory_bytes'])} "
+              f"({m['num_params'] / 1e6:.2f}M params x {m['dtype']})"]
+    lines += [f"          {kind:<5} {t['tensors']:>5} tensor{'s' if t['tensors'] != 1 else ' '} {mib(t['bytes']):>12}"
+              for kind, t in m["weights_on_disk"].items()]
+    lines += [f"memory  KV {m['kv_bytes_per_token']} B/token; cache {mib(m['kv_cache_bytes'])} ({m['kv_budget']})"
               f" = {m['kv_tokens']} tokens = {m['max_concurrency_at_max_model_len']} sequences at max_model_len; "
               f"max_num_seqs {m['max_num_seqs']}",
               f"output  {r['output']['uri']}: {r['output']['state']}"]

@@ -1,4 +1,5 @@
-"""Reads an HF model directory: config.json checks (before any weight is touched) and safetensors loading.
+"""Reads a model: an HF directory (config.json checks before any weight is touched, safetensors loading) or a
+GGUF file (models/gguf.py, which maps its tensors to HF names and dequantises them).
 
 HF tensor names are mapped onto models/llama.py's fused layout: q/k/v -> qkv_proj, gate/up -> gate_up_proj.
 """
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
@@ -39,10 +40,18 @@ class ModelInfo:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    format: str = "safetensors"   # or "gguf" (models/gguf.py)
+    # on-disk tensor type ("BF16", "Q4_1", ...) -> (tensors, bytes)
+    tensor_types: dict[str, tuple[int, int]] = field(default_factory=dict)
+    identity: Optional[dict[str, Any]] = None   # GGUF: file name, size, header hash (the job fingerprint)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def memory_bytes(self, dtype: torch.dtype) -> int:
+        """Weights in memory once loaded: every parameter in `dtype` (GGUF tensors are dequantised)."""
+        return self.num_params * torch.empty((), dtype=dtype).element_size()
 
     def torch_dtype(self, dtype: str = "auto") -> torch.dtype:
         if dtype == "auto":
@@ -86,17 +95,26 @@ def _weight_files(path: str) -> list[str]:
     raise ModelError(f"{path}: no *.safetensors weights found")
 
 
-def _count_params(files: list[str]) -> int:
+_ST_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+             "U16": 2}   # everything else (I8, U8, BOOL, F8_*) is one byte
+
+
+def _scan_safetensors(files: list[str]) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(parameter count, on-disk dtype -> (tensors, bytes)) from the safetensors headers alone."""
     from safetensors import safe_open
-    total = 0
+    total, types = 0, {}
     for f in files:
         with safe_open(f, framework="pt") as sf:  # reads the header only
             for name in sf.keys():
+                sl = sf.get_slice(name)
                 n = 1
-                for d in sf.get_slice(name).get_shape():
+                for d in sl.get_shape():
                     n *= d
                 total += n
-    return total
+                kind = sl.get_dtype()
+                count, nbytes = types.get(kind, (0, 0))
+                types[kind] = (count + 1, nbytes + n * _ST_BYTES.get(kind, 1))
+    return total, types
 
 
 def find_gguf(path: str) -> Optional[str]:
@@ -136,14 +154,15 @@ def inspect_model(path: str) -> ModelInfo:
         if not isinstance(cfg.get(key), int):
             raise ModelError(f"{cfg_path}: key {key!r} missing or not an integer")
     files = _weight_files(path)
+    num_params, types = _scan_safetensors(files)
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return ModelInfo(
         path=path, architecture=arch, config=cfg, weight_files=files,
-        num_params=_count_params(files), weights_bytes=sum(os.path.getsize(f) for f in files),
+        num_params=num_params, weights_bytes=sum(os.path.getsize(f) for f in files),
         max_model_len=int(cfg.get("max_position_embeddings") or 2048),
-        num_layers=cfg["num_hidden_layers"], num_kv_heads=kv_heads, head_dim=head_dim)
+        num_layers=cfg["num_hidden_layers"], num_kv_heads=kv_heads, head_dim=head_dim, tensor_types=types)
 
 
 def _fused_name(name: str) -> tuple[str, int | None]:
@@ -159,19 +178,26 @@ def _fused_name(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(info: ModelInfo) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every weight on disk: safetensors as stored, GGUF dequantised to float32."""
+    if info.format == "gguf":
+        from batchrun.models.gguf import iter_gguf_weights
+        yield from iter_gguf_weights(info)
+        return
     from safetensors import safe_open
-    for f in files:
+    for f in info.weight_files:
         with safe_open(f, framework="pt") as sf:
             for name in sf.keys():
                 yield name, sf.get_tensor(name)
 
 
 def load_weights(model: torch.nn.Module, info: ModelInfo) -> None:
-    """Copy safetensors weights into `model` (already built on its device and dtype), fusing q/k/v and gate/up."""
+    """Copy the weights into `model` (already built on its device and dtype), fusing q/k/v and gate/up;
+    each tensor is cast to the model's dtype as it is copied."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for hf_name, tensor in iter_weights(info.weight_files):
+    source = "the GGUF metadata" if info.format == "gguf" else "config.json"
+    for hf_name, tensor in iter_weights(info):
         if "rotary_emb.inv_freq" in hf_name:
             continue
         name, shard = _fused_name(hf_name)
@@ -186,7 +212,7 @@ def load_weights(model: torch.nn.Module, info: ModelInfo) -> None:
             dst = param.data.narrow(0, *model.shard_range(name, shard))
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ModelError(f"{info.path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(dst.shape)} from config.json")
+                             f"expected {tuple(dst.shape)} from {source}")
         dst.copy_(tensor)
         loaded.add(f"{name}#{shard}")
     expected = set()
