@@ -99,8 +99,9 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
     except Interrupted as e:
         _err(str(e))
         if as_json:
-            print(json.dumps({"ok": False, "state": "interrupted", "exit_code": EXIT_INTERRUPTED, "error": str(e)}),
-                  flush=True)
+            from batchrun.connectors.secrets import redact
+            print(json.dumps({"ok": False, "state": "interrupted", "exit_code": EXIT_INTERRUPTED,
+                              "error": redact(str(e))}), flush=True)
         raise typer.Exit(EXIT_INTERRUPTED)
     except MissingEnvVar as e:    # a ${VAR} of storage_options unset where it was expanded (a Ray node)
         _fail(EXIT_BAD_JOB, str(e), as_json)
@@ -109,7 +110,8 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
     except (InputError, ValueError) as e:     # ModelError, TokenizerError are ValueErrors naming the file
         _fail(EXIT_INPUT, str(e), as_json)
     except Exception as e:   # noqa: BLE001
-        traceback.print_exc()
+        from batchrun.connectors.secrets import redact
+        print(redact(traceback.format_exc()), end="", file=sys.stderr, flush=True)   # never a credential
         _fail(EXIT_UNEXPECTED, f"unexpected error: {type(e).__name__}: {e}", as_json)
     summary["exit_code"] = EXIT_OK
     if as_json:

@@ -40,10 +40,10 @@ def _is_prose(block: str, text: str) -> bool:
     return MIN_CHARS <= len(text) <= MAX_CHARS
 
 
-def stdlib_paragraphs(limit: int = 300) -> list[dict]:
-    """Up to `limit` distinct prose paragraphs: [{"module": "json.decoder", "object": "...", "text": ...}]."""
+def stdlib_docstrings():
+    """Yield (module, object name or "", docstring) for every module, class and function of the stdlib,
+    in a deterministic order (ast-parsed, never imported; files that do not parse are skipped)."""
     root = sysconfig.get_paths()["stdlib"]
-    out, seen = [], set()
     for path in _source_files(root):
         try:
             with open(path, encoding="utf-8") as f:
@@ -52,12 +52,19 @@ def stdlib_paragraphs(limit: int = 300) -> list[dict]:
             continue
         module = os.path.relpath(path, root)[:-3].replace(os.sep, ".").removesuffix(".__init__")
         for name, doc in _docstrings(tree):
-            for block in doc.split("\n\n"):
-                text = " ".join(block.split())
-                if text in seen or not text or not _is_prose(block, text):
-                    continue
-                seen.add(text)
-                out.append({"module": module, "object": name or module, "text": text})
+            yield module, name, doc
+
+
+def stdlib_paragraphs(limit: int = 300) -> list[dict]:
+    """Up to `limit` distinct prose paragraphs: [{"module": "json.decoder", "object": "...", "text": ...}]."""
+    out, seen = [], set()
+    for module, name, doc in stdlib_docstrings():
+        for block in doc.split("\n\n"):
+            text = " ".join(block.split())
+            if text in seen or not text or not _is_prose(block, text):
+                continue
+            seen.add(text)
+            out.append({"module": module, "object": name or module, "text": text})
     # spread the sample over the whole library instead of the first modules alphabetically
     step = max(1, len(out) // limit)
     return out[::step][:limit]

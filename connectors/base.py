@@ -22,7 +22,8 @@ class Unit:
     index: position in the deterministic enumeration (the checkpoint key).
     first_row: the slice's row number over the whole input (the default id).
     row_groups: Parquet row groups covering the slice (empty for line-based formats).
-    byte_offset: JSONL: where the slice's first line starts (-1 when not applicable).
+    byte_offset: JSONL / CSV: where the slice's first line (record) starts (-1 when not applicable).
+    byte_end: JSONL / CSV: where the slice's bytes end (the next unit's start, or the file's size).
     """
 
     index: int
@@ -32,6 +33,7 @@ class Unit:
     first_row: int
     row_groups: tuple[int, ...] = ()
     byte_offset: int = -1
+    byte_end: int = -1
 
 
 @dataclass

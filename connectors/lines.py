@@ -1,8 +1,10 @@
 """JSONL and CSV sources: units are row ranges of each file, found by one streaming pass at planning.
 
-JSONL units also carry the byte offset of their first line, so reading one is a seek, not a rescan.
-CSV rows may span lines (quoted newlines), so CSV units are row ranges read by pyarrow's streaming
-reader; sequential reads continue from where the previous unit stopped.
+That pass also records where each unit's bytes start and end (JSONL: line starts; CSV: record starts,
+quoted newlines included, found with Python's csv reader), so reading a unit is one ranged read of
+exactly its bytes (`cat_file(path, start, end)`: a ranged GET on object stores, never the whole file),
+retried on transient failures like every other store call (connectors/retry.py). The planning pass
+is retried as a whole.
 
 A bad line never stops a job: invalid JSON, a JSON value that is not an object, a value whose type
 contradicts the column's, or a CSV row with the wrong number of fields still counts as one row. Its
@@ -14,13 +16,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import threading
 from typing import Any, Callable, Iterator, Optional
 
 import pyarrow as pa
 import pyarrow.csv as pcsv
 
 from batchrun.connectors.base import InputError, Listing, Source, Unit, full_path, list_files
+from batchrun.connectors.retry import StorageError, retry_io
 
 _SCHEMA_SAMPLE_ROWS = 64
 _SCHEMA_MAX_LINES = 10_000      # lines scanned for the first JSON objects before giving up on a file
@@ -68,20 +70,39 @@ class _LineSource(Source):
         first = 0
         for f in self.listing.files:
             total = 0
-            for row_start, num_rows, offset in self._split_cached(f.path, unit_rows):
-                units.append(Unit(len(units), f.path, row_start, num_rows, first + row_start, (), offset))
+            for row_start, num_rows, offset, end in self._split_cached(f.path, unit_rows):
+                units.append(Unit(len(units), f.path, row_start, num_rows, first + row_start, (), offset, end))
                 total = row_start + num_rows
             first += total
         return units
 
-    def _split_cached(self, path: str, unit_rows: int) -> list[tuple[int, int, int]]:
+    def _split_cached(self, path: str, unit_rows: int) -> list[tuple[int, int, int, int]]:
         key = (path, unit_rows)
         if key not in self._scans:
-            self._scans[key] = self._split(path, unit_rows)
+            self._scans[key] = self._retried(lambda: self._split(path, unit_rows), path, "scan")
         return self._scans[key]
 
-    def _split(self, path: str, unit_rows: int) -> list[tuple[int, int, int]]:
+    def _split(self, path: str, unit_rows: int) -> list[tuple[int, int, int, int]]:
+        """[(row_start, num_rows, byte offset, byte end)] of the units of one file."""
         raise NotImplementedError
+
+    def _size(self, path: str) -> int:
+        return next(f.size for f in self.listing.files if f.path == path)
+
+    def _retried(self, fn, path: str, op: str):
+        """fn() retried on transient store failures; a file gone since planning is an InputError."""
+        try:
+            return retry_io(fn, self.name(path), op)
+        except FileNotFoundError as e:
+            raise InputError(f"{self.name(path)}: no longer there ({e})") from e
+
+    def _range(self, unit: Unit) -> bytes:
+        """The bytes of `unit` alone: one ranged read (retried), not a stream from the file's start."""
+        end = unit.byte_end if unit.byte_end >= 0 else self._size(unit.path)
+        if end <= unit.byte_offset:
+            return b""
+        return self._retried(lambda: self.fs.cat_file(unit.path, start=unit.byte_offset, end=end), unit.path,
+                             f"read bytes {unit.byte_offset}-{end}")
 
     def _schema_of(self, path: str) -> pa.Schema:
         raise NotImplementedError
@@ -123,15 +144,16 @@ class JsonlSource(_LineSource):
             self._line_at[key] = n
         return self._line_at[key]
 
-    def _split(self, path: str, unit_rows: int) -> list[tuple[int, int, int]]:
-        out: list[tuple[int, int, int]] = []
+    def _split(self, path: str, unit_rows: int) -> list[tuple[int, int, int, int]]:
+        out: list[tuple[int, int]] = []
         n = 0
         for pos, lineno, _ in self._lines(path):
             if n % unit_rows == 0:
-                out.append((n, 0, pos))
+                out.append((n, pos))
                 self._line_at[(path, pos)] = lineno
             n += 1
-        return [(s, min(unit_rows, n - s), off) for s, _, off in out]
+        ends = [off for _, off in out[1:]] + [self._size(path)]
+        return [(s, min(unit_rows, n - s), off, end) for (s, off), end in zip(out, ends)]
 
     def _decode(self, path: str, lineno: int, line: bytes) -> tuple[Any, Optional[str]]:
         """(object, None) or (None, error text naming the file and line)."""
@@ -146,17 +168,23 @@ class JsonlSource(_LineSource):
             return None, f"{where}: a JSON object per line is required, found {type(obj).__name__}"
         return obj, None
 
-    def _schema_of(self, path: str) -> pa.Schema:
+    def _sample(self, path: str) -> tuple[list[dict], Optional[str]]:
         objs, first_error, scanned = [], None, 0
+        for _, lineno, line in self._lines(path):
+            scanned += 1
+            obj, err = self._decode(path, lineno, line)
+            if obj is not None:
+                objs.append(obj)
+            first_error = first_error or err
+            if len(objs) >= _SCHEMA_SAMPLE_ROWS or scanned >= _SCHEMA_MAX_LINES:
+                break
+        return objs, first_error
+
+    def _schema_of(self, path: str) -> pa.Schema:
         try:
-            for _, lineno, line in self._lines(path):
-                scanned += 1
-                obj, err = self._decode(path, lineno, line)
-                if obj is not None:
-                    objs.append(obj)
-                first_error = first_error or err
-                if len(objs) >= _SCHEMA_SAMPLE_ROWS or scanned >= _SCHEMA_MAX_LINES:
-                    break
+            objs, first_error = self._retried(lambda: self._sample(path), path, "read")
+        except StorageError:
+            raise
         except OSError as e:
             raise InputError(f"{self.name(path)}: unreadable ({e})") from e
         if not objs:
@@ -180,11 +208,15 @@ class JsonlSource(_LineSource):
 
     def read(self, unit: Unit, columns: Optional[list[str]] = None) -> pa.Table:
         lines = []
-        lineno = self._line_number(unit.path, unit.byte_offset)
-        for item in self._lines(unit.path, unit.byte_offset, lineno):
+        lineno = self._retried(lambda: self._line_number(unit.path, unit.byte_offset), unit.path, "scan")
+        pos = unit.byte_offset
+        for line in io.BytesIO(self._range(unit)):
             if len(lines) == unit.num_rows:
                 break
-            lines.append(item)
+            if line.strip():
+                lines.append((pos, lineno, line))
+            pos += len(line)
+            lineno += 1
         if len(lines) != unit.num_rows:
             raise InputError(f"{self.name(unit.path)}: changed since planning (unit {unit.index} expects "
                              f"{unit.num_rows} rows from byte {unit.byte_offset}, found {len(lines)})")
@@ -227,151 +259,133 @@ class JsonlSource(_LineSource):
 
 class CsvSource(_LineSource):
     """CSV with a header row (.tsv: tab-separated). Column types are inferred once, from the first file's
-    first block, and imposed on every read so all units agree. A row with the wrong number of fields is
-    an error row: "line n" is the record number pyarrow counts (header = 1), mapped to the physical line
-    by a Python csv pass over the file when such rows exist (quoted values may span lines)."""
+    first block, and imposed on every read so all units agree. Planning finds where each record starts
+    (byte offset and physical line) with Python's csv reader, the same dialect as pyarrow's defaults
+    ('"' quotes, doubled to escape, quoted newlines, blank lines skipped); a unit is then its byte range,
+    parsed by pyarrow with the header's column names. A row with the wrong number of fields is an error
+    row naming its physical line."""
 
     suffixes = (".csv", ".tsv")
 
     def __init__(self, uri: str, storage_options: Optional[dict] = None):
         self._types: Optional[dict[str, pa.DataType]] = None
-        self._cursor: Optional[tuple[str, int, Any, Any]] = None   # (path, next row, reader, file)
-        self._lock = threading.Lock()
-        self._physical: dict[str, dict[int, int]] = {}     # path -> {record number: first line}
+        self._lines_at: dict[tuple[str, int], int] = {}      # (path, byte offset of a unit) -> its first line
         super().__init__(uri, storage_options)
 
     def _delimiter(self, path: str) -> str:
         return "\t" if path.endswith(".tsv") else ","
 
-    def _reader(self, path: str, on_invalid: Optional[Callable] = None):
-        fh = self.fs.open(path, "rb")
+    def _reader(self, fh, path: str, on_invalid: Optional[Callable] = None, names: Optional[list[str]] = None):
         opts = pcsv.ParseOptions(delimiter=self._delimiter(path), newlines_in_values=True,
                                  invalid_row_handler=on_invalid)
         conv = pcsv.ConvertOptions(strings_can_be_null=True, column_types=self._types)
         try:
             # use_threads=False: only then does pyarrow report the record number of an invalid row
-            return pcsv.open_csv(fh, read_options=pcsv.ReadOptions(use_threads=False), parse_options=opts,
-                                 convert_options=conv), fh
+            return pcsv.open_csv(fh, read_options=pcsv.ReadOptions(use_threads=False, column_names=names),
+                                 parse_options=opts, convert_options=conv)
         except pa.ArrowInvalid as e:
-            fh.close()
             raise InputError(f"{self.name(path)}: not readable as CSV ({e})") from e
 
-    def _batches(self, path: str) -> Iterator[tuple[pa.RecordBatch, list[Optional[tuple]]]]:
-        """(batch, bad) in file order, where bad rows are spliced in as all-null rows: bad[i] is
-        (record number, expected fields, actual fields, text) for such a row, None otherwise."""
-        invalid: list[tuple] = []     # filled by pyarrow while parsing, always ahead of the batches
-
-        def on_invalid(row) -> str:
-            invalid.append((row.number, row.expected_columns, row.actual_columns, row.text))
-            return "skip"
-        reader, fh = self._reader(path, on_invalid)
-        pos = 0        # data rows (good and bad) emitted so far
-        taken = 0      # entries of `invalid` already spliced in
-
-        def due() -> bool:   # the next bad row sits at `pos` (record numbers count the header as 1)
-            return taken < len(invalid) and (invalid[taken][0] is None or invalid[taken][0] - 2 <= pos)
-        try:
-            while True:
-                try:
-                    batch = reader.read_next_batch()
-                except StopIteration:
-                    break
-                except pa.ArrowInvalid as e:
-                    raise InputError(f"{self.name(path)}: not readable as CSV ({e})") from e
-                positions: list[Optional[int]] = []
-                bad: list[Optional[tuple]] = []
-                for j in range(batch.num_rows):
-                    while due():
-                        positions.append(None); bad.append(invalid[taken]); taken += 1; pos += 1
-                    positions.append(j); bad.append(None); pos += 1
-                while due():
-                    positions.append(None); bad.append(invalid[taken]); taken += 1; pos += 1
-                yield (batch if positions == list(range(batch.num_rows))
-                       else batch.take(pa.array(positions, pa.int64()))), bad
-            if taken < len(invalid):      # bad rows after the last good one
-                rest = invalid[taken:]
-                yield pa.RecordBatch.from_pylist([{}] * len(rest), schema=reader.schema), list(rest)
-        finally:
-            fh.close()
-
     def _schema_of(self, path: str) -> pa.Schema:
-        reader, fh = self._reader(path, lambda row: "skip")
-        with fh:
-            schema = reader.schema
+        def read() -> pa.Schema:
+            with self.fs.open(path, "rb") as fh:
+                return self._reader(fh, path, lambda row: "skip").schema
+        schema = self._retried(read, path, "read")
         if self._types is None:
             self._types = {f.name: f.type for f in schema}
         return schema
 
-    def _split(self, path: str, unit_rows: int) -> list[tuple[int, int, int]]:
-        n, records = 0, []
-        for b, bad in self._batches(path):
-            n += b.num_rows
-            records += [x[0] for x in bad if x is not None and x[0] is not None]
-        if records:
-            self._physical[path] = self._physical_lines(path, records)
-        return [(s, min(unit_rows, n - s), -1) for s in range(0, n, unit_rows)]
-
-    def _physical_lines(self, path: str, records: list[int]) -> dict[int, int]:
-        """{record number: line where it starts} for a few records, by one pass of Python's csv reader
-        (same dialect as pyarrow's defaults: '"' quotes, doubled to escape; blank lines skipped)."""
-        want, out = set(records), {}
-        record, prev_end = 0, 0
+    def _split(self, path: str, unit_rows: int) -> list[tuple[int, int, int, int]]:
+        out: list[tuple[int, int]] = []
+        n = -1                                   # the header is record 0
         with self.fs.open(path, "rb") as fh:
-            text = io.TextIOWrapper(fh, encoding="utf-8", errors="replace", newline="")
-            rd = csv.reader(text, delimiter=self._delimiter(path))
-            for row in rd:
-                start = prev_end + 1
-                prev_end = rd.line_num
-                if not row:
-                    continue
-                record += 1
-                if record in want:
-                    out[record] = start
-                    if len(out) == len(want):
-                        break
-        return out
-
-    def _bad_text(self, path: str, bad: tuple) -> str:
-        number, expected, actual, text = bad
-        if number is None:
-            where = "a row"
-        else:
-            where = f"line {self._physical.get(path, {}).get(number, number)}"
-        snippet = text if len(text) <= 200 else text[:200] + "..."
-        return f"{self.name(path)}: {where}: expected {expected} fields, found {actual}: {snippet!r}"
+            text = io.TextIOWrapper(fh, encoding="utf-8", errors="surrogateescape", newline="")
+            for offset, line in _record_starts(text, self._delimiter(path)):
+                if n >= 0 and n % unit_rows == 0:
+                    out.append((n, offset))
+                    self._lines_at[(path, offset)] = line
+                n += 1
+        n = max(n, 0)
+        ends = [off for _, off in out[1:]] + [self._size(path)]
+        return [(r, min(unit_rows, n - r), off, end) for (r, off), end in zip(out, ends)]
 
     def read(self, unit: Unit, columns: Optional[list[str]] = None) -> pa.Table:
-        with self._lock:
-            cur = self._cursor
-            if cur is None or cur[0] != unit.path or cur[1] > unit.row_start:
-                gen = self._batches(unit.path)
-                cur = (unit.path, 0, gen, [])
-            path, pos, gen, buffered = cur
-            out, need_end = [], unit.row_start + unit.num_rows
-            pending = list(buffered)
-            while pos + sum(b.num_rows for b, _ in pending) < need_end:
-                try:
-                    pending.append(next(gen))
-                except StopIteration:
-                    break
-            # pending holds (batch, bad) pairs starting at row `pos`
-            keep = []
-            for b, bad in pending:
-                lo, hi = max(unit.row_start - pos, 0), min(need_end - pos, b.num_rows)
-                if lo < hi:
-                    out.append((b.slice(lo, hi - lo), bad[lo:hi]))
-                if pos + b.num_rows > need_end:
-                    keep.append((b, bad))
-                else:
-                    pos += b.num_rows
-            self._cursor = (path, pos, gen, keep)
-        rows = sum(b.num_rows for b, _ in out)
+        data = self._range(unit)
+        bad: list[tuple] = []
+
+        def on_invalid(row) -> str:
+            bad.append((row.number, row.expected_columns, row.actual_columns, row.text))
+            return "skip"
+        reader = self._reader(io.BytesIO(data), unit.path, on_invalid, self.schema.names)
+        try:
+            t = reader.read_all()
+        except pa.ArrowInvalid as e:
+            raise InputError(f"{self.name(unit.path)}: not readable as CSV ({e})") from e
+        rows = t.num_rows + len(bad)
         if rows != unit.num_rows:
             raise InputError(f"{self.name(unit.path)}: changed since planning (unit {unit.index} expects "
-                             f"{unit.num_rows} rows from row {unit.row_start}, found {rows})")
-        t = pa.Table.from_batches([b for b, _ in out], schema=out[0][0].schema if out else None)
-        errors = [None if x is None else self._bad_text(unit.path, x) for _, bad in out for x in bad]
-        return with_row_errors(_conform(t, self.schema, columns, self.name(unit.path)), errors)
+                             f"{unit.num_rows} rows from byte {unit.byte_offset}, found {rows})")
+        if not bad:
+            return _conform(t, self.schema, columns, self.name(unit.path))
+        # bad rows keep their place: record numbers count from 1 in this unit's bytes
+        first_line = self._lines_at.get((unit.path, unit.byte_offset), 0)
+        lines = _record_lines(data, self._delimiter(unit.path), {b[0] for b in bad if b[0] is not None})
+        where = {b[0]: b for b in bad}
+        positions: list[Optional[int]] = []
+        errors: list[Optional[str]] = []
+        good = 0
+        for rec in range(1, rows + 1):
+            if rec in where:
+                number, expected, actual, text = where[rec]
+                line = lines.get(rec)
+                at = f"line {first_line + line - 1}" if line and first_line else "a row"
+                snippet = text if len(text) <= 200 else text[:200] + "..."
+                positions.append(None)
+                errors.append(f"{self.name(unit.path)}: {at}: expected {expected} fields, found {actual}: "
+                              f"{snippet!r}")
+            else:
+                positions.append(good)
+                errors.append(None)
+                good += 1
+        return with_row_errors(_conform(scatter(t, positions), self.schema, columns, self.name(unit.path)), errors)
+
+
+def _record_starts(text_lines, delimiter: str) -> Iterator[tuple[int, int]]:
+    """(byte offset, physical line) where each non-blank CSV record starts; `text_lines` are decoded with
+    surrogateescape and newline="", so each re-encodes to its exact bytes."""
+    rd_lines: list[tuple[int, int]] = []      # (offset, line number) of lines fed, not yet consumed
+    pos, lineno = 0, 0
+
+    def feed():
+        nonlocal pos, lineno
+        for line in text_lines:
+            lineno += 1
+            rd_lines.append((pos, lineno))
+            pos += len(line.encode("utf-8", "surrogateescape"))
+            yield line
+    rd = csv.reader(feed(), delimiter=delimiter)
+    consumed = 0
+    for row in rd:
+        first = rd_lines[0]
+        used = rd.line_num - consumed
+        consumed = rd.line_num
+        del rd_lines[:used]
+        if row:
+            yield first
+
+
+def _record_lines(data: bytes, delimiter: str, wanted: set) -> dict[int, int]:
+    """{record number (1-based, blank lines skipped): its first line (1-based)} within `data`."""
+    out: dict[int, int] = {}
+    if not wanted:
+        return out
+    text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape", newline="")
+    for rec, (_, line) in enumerate(_record_starts(text, delimiter), 1):
+        if rec in wanted:
+            out[rec] = line
+            if len(out) == len(wanted):
+                break
+    return out
 
 
 def _conform(t: pa.Table, schema: pa.Schema, columns: Optional[list[str]], name: str,

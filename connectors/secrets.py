@@ -2,8 +2,10 @@
 
 The job spec keeps the unexpanded text (`secret: ${AWS_SECRET_ACCESS_KEY}`), so nothing that prints or
 stores the spec can carry a credential; the values are substituted only when a filesystem is built.
-Every substituted value, and every literal value under a credential-like key, is remembered so that
-error and log messages can be scrubbed with redact().
+Every value under a credential-like key, and every substituted value of a credential-like variable, is
+remembered so that error and log messages can be scrubbed with redact(), which also scrubs the values of
+credential-like environment variables (AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AZURE_STORAGE_KEY, ...), read by the
+providers' own credential chains without any reference in the job.
 """
 from __future__ import annotations
 
@@ -73,20 +75,47 @@ def expand(options: Any, where: str = "storage_options", _key: str = "") -> Any:
         if var not in os.environ:
             raise MissingEnvVar(f"{where}: environment variable {var} is not set (referenced as ${{{var}}})")
         value = os.environ[var]
-        _remember(value)
+        if _credential_key(_key) or ENV_SECRET_NAMES.search(var):
+            _remember(value)          # not a port or a bucket name: those would scrub ordinary text
         return value
 
     value = REF.sub(sub, options)
-    if _key and _key.lower() not in NOT_SECRET_KEYS and SECRET_KEYS.search(_key):
+    if _credential_key(_key):
         _remember(value)
     return value
 
 
+def _credential_key(key: str) -> bool:
+    return bool(key) and key.lower() not in NOT_SECRET_KEYS and bool(SECRET_KEYS.search(key))
+
+
+# environment variables whose values are credentials whether or not a job references them: the provider
+# chains (boto, gcloud, azure) read them directly, and an error may echo them
+ENV_SECRET_NAMES = re.compile(r"SECRET|PASSW|TOKEN|CREDENTIAL|ACCOUNT_KEY|ACCESS_KEY|API_KEY|PRIVATE_KEY|"
+                              r"CONNECTION_STRING|SAS_|_SAS$|SIGNATURE|_KEY$|_KEY_ID$", re.IGNORECASE)
+MIN_ENV_SECRET_LEN = 8    # and no whitespace: `TOKENIZERS_PARALLELISM=false` is not a credential
+
+
+def env_secrets() -> list[str]:
+    """Values of credential-like environment variables, as they are now."""
+    return [v for k, v in os.environ.items()
+            if ENV_SECRET_NAMES.search(k) and len(v) >= MIN_ENV_SECRET_LEN and not any(c.isspace() for c in v)]
+
+
 def redact(text: str) -> str:
-    """text with every remembered credential replaced by `***`."""
+    """text with every remembered credential, and every credential-like environment variable's value,
+    replaced by `***`."""
+    return redactor()(text)
+
+
+def redactor():
+    """redact() with the credentials of this moment looked up once (for many texts in a row)."""
     with _lock:
-        secrets = sorted(_secrets, key=len, reverse=True)
-    for s in secrets:
-        if s in text:
-            text = text.replace(s, "***")
-    return text
+        secrets = sorted(set(_secrets) | set(env_secrets()), key=len, reverse=True)
+
+    def scrub(text: str) -> str:
+        for s in secrets:
+            if s in text:
+                text = text.replace(s, "***")
+        return text
+    return scrub

@@ -1,9 +1,9 @@
 """Parquet sink: one zstd Parquet file per committed unit, published atomically.
 
-Local filesystems: written (and fsynced) under `_batchrun/tmp/`, then renamed to `part-<k>.parquet`;
-a rename is atomic. Object stores: the finished bytes go up in one PUT of the final key, which is
-atomic there. Either way `read_parquet('OUT/*.parquet')` never sees a partial file: `_batchrun/` is
-not matched by that glob.
+Local filesystems: written (and fsynced) under `_batchrun/tmp/`, then linked (create-only) or renamed
+to `part-<k>.parquet`; either is atomic. Object stores: the finished bytes go up in one PUT of the final
+key (create-only for parts: batchrun/job/commit.py), which is atomic there. Either way
+`read_parquet('OUT/*.parquet')` never sees a partial file: `_batchrun/` is not matched by that glob.
 
 With partition columns (`output.partition_by: [lang]`) a unit becomes one file per partition value,
 hive-style: `lang=en/part-<k>.parquet`, the partition columns left out of the file (readers take them
@@ -187,13 +187,15 @@ class ParquetSink:
             retry_io(lambda: self.fs.pipe_file(final, data), full_path(self.fs, final), "put")
         return Committed(final, len(data), hashlib.sha256(data).hexdigest(), name)
 
-    def put_new(self, name: str, data: bytes) -> bool:
+    def put_new(self, name: str, data: bytes, before_publish: Optional[Callable[[], None]] = None) -> bool:
         """Create `name` (relative) with `data` only if it does not exist; False if it already did.
 
         Local: an fsynced temp file hard-linked to the final name (link() fails if the name exists, and
         the file appears whole). Object stores: a create-only write (S3 `If-None-Match: *`, s3fs
-        mode="create"); a retry after a lost response that finds the object holding exactly `data` is
-        our own earlier attempt, so it counts as created."""
+        mode="create"; a multipart upload's completion carries the same condition); a retry after a lost
+        response that finds the object holding exactly `data` is our own earlier attempt, so it counts
+        as created. Filesystems without conditional writes get fsspec's mode="create", a check then a
+        write (not atomic). before_publish: called once the bytes are complete but not yet visible."""
         final = self.path(name)
         if self.local:
             tmp_dir = self.path("_batchrun/tmp")
@@ -201,10 +203,14 @@ class ParquetSink:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             tmp = f"{tmp_dir}/{name.replace('/', '~')}.{uuid.uuid4().hex}"
             write_synced(tmp, data)
+            if before_publish:
+                before_publish()
             try:
                 os.link(tmp, final)
             except FileExistsError:
                 return False
+            except FileNotFoundError:       # our temp file was removed: a ledger open of another run
+                raise
             except OSError:         # no hard links here (some network filesystems): exclusive create
                 try:
                     fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -213,10 +219,15 @@ class ParquetSink:
                 with os.fdopen(fd, "wb") as f:
                     _write_all(f, data)
             finally:
-                os.unlink(tmp)
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
             fsync_dir(os.path.dirname(final))
             return True
         url = full_path(self.fs, final)
+        if before_publish:
+            before_publish()
         try:
             retry_io(lambda: self.fs.pipe_file(final, data, mode="create"), url, "create-only put")
             return True
@@ -225,6 +236,24 @@ class ParquetSink:
                 return retry_io(lambda: self.fs.cat_file(final), url, "get") == data
             except FileNotFoundError:
                 return False
+
+    def encode(self, table: pa.Table, metadata: dict[str, Any]) -> bytes:
+        """The Parquet bytes of a part file (zstd, `metadata` as key-value metadata)."""
+        return self._encode(table, metadata)
+
+    def part_metadata(self, name: str) -> dict[str, str]:
+        """The key-value metadata of the part file `name` (its footer only is read); {} if unreadable."""
+        path = self.path(name)
+        try:
+            def read():
+                with self.fs.open(path, "rb", **({} if self.local else {"cache_type": "none"})) as f:
+                    return pq.read_metadata(f).metadata or {}
+            meta = retry_io(read, full_path(self.fs, path), "read footer")
+        except FileNotFoundError:
+            return {}
+        except Exception:   # noqa: BLE001 - a torn or foreign file: no writer to vouch for it
+            return {}
+        return {k.decode(): v.decode("utf-8", "replace") for k, v in meta.items()}
 
     def list_parts(self) -> dict[str, int]:
         """{name relative to the root: size} of every unit part file now visible (partition

@@ -10,6 +10,11 @@ import random
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # before any test module imports batchrun.kernels (and so triton): Triton kernels decorated without it
+    # cannot run on CPU, and re-decorating them later does not reach triton's own jit'd library functions
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 VOCAB = 512
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 

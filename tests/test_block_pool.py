@@ -15,7 +15,9 @@ def test_allocate_free_exact_ids_and_counts():
     pool.free([0, 1])
     assert pool.ref_counts == [0, 1, 0, 0]
     assert pool.num_free == 3            # block 1 still referenced
-    assert pool.allocate(3) == [2, 3, 0]  # FIFO reuse: freshly freed block 0 goes last
+    # a used block is reused before a never-used one: the KV pages touched follow the working set
+    assert pool.allocate(3) == [0, 2, 3]
+    assert pool.num_touched == 4
     with pytest.raises(NoFreeBlocks):
         pool.allocate(1)
     pool.free([1, 2, 3, 0])
@@ -44,6 +46,7 @@ def test_manager_grows_tables_by_block_and_frees_all():
     assert a.block_table == [0, 1]
     kv.allocate(a, 9)
     assert a.block_table == [0, 1, 3]
+    assert kv.pool.num_touched == 4
     kv.free(a)
     kv.free(b)
     assert a.block_table == [] and kv.pool.num_free == 8
@@ -53,3 +56,11 @@ def test_manager_grows_tables_by_block_and_frees_all():
 @pytest.mark.parametrize("n,bs,want", [(0, 16, 0), (1, 16, 1), (16, 16, 1), (17, 16, 2), (33, 8, 5)])
 def test_blocks_needed(n, bs, want):
     assert blocks_needed(n, bs) == want
+
+
+def test_freed_blocks_are_reused_least_recently_freed_first_before_fresh_ones():
+    pool = BlockPool(8)
+    a = pool.allocate(3)
+    pool.free([a[2], a[0]])
+    assert pool.allocate(3) == [a[2], a[0], 3]
+    assert pool.num_touched == 4 and pool.peak_used == 4

@@ -29,14 +29,16 @@ def test_bad_rows_become_error_outputs_and_the_rest_goes_on(llm):
 
 
 def test_request_larger_than_whole_cache_is_an_error(hf_models):
+    """A cache must hold one sequence of max_model_len (else the engine refuses to start, naming the knob:
+    tests/test_engine_defaults.py), so a request that fits max_model_len always fits the cache."""
     from batchrun.models.loader import inspect_model
     import torch
     path = hf_models["llama"][0]
     per_token = inspect_model(path).kv_bytes_per_token(torch.float32)
-    llm = LLM(path, dtype="float32", kv_cache_memory=4 * 16 * per_token)     # 4 blocks = 64 tokens
+    llm = LLM(path, dtype="float32", kv_cache_memory=4 * 16 * per_token, max_model_len=64)   # 4 blocks = 64 tokens
     outs = llm.generate([{"prompt_token_ids": [5] * 60}, {"prompt_token_ids": [5] * 10}],
                         SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert outs[0].finish_reason == "error" and "whole cache" in outs[0].error
+    assert outs[0].finish_reason == "error" and "exceeds max_model_len=64" in outs[0].error
     assert outs[1].finish_reason == "length"
 
 

@@ -79,13 +79,18 @@ def kv_budget(path, blocks):
     return blocks * 16 * inspect_model(path).kv_bytes_per_token(torch.float32)
 
 
+# Tight budgets: 48 blocks (768 tokens) against a working set of many sequences; max_model_len 512 so the
+# cache holds one whole sequence. Swap is asked for explicitly (swap_space): on CPU the default allocates
+# no host pool and preemption recomputes.
+TIGHT = {"kv_blocks": 48, "max_model_len": 512}
 FEATURES = {
     "baseline": {},
-    "swap": {"kv_blocks": 48, "preemption_mode": "swap", "swap_min_tokens": 0},
-    "recompute": {"kv_blocks": 48, "preemption_mode": "recompute"},
+    "swap": {**TIGHT, "preemption_mode": "swap", "swap_space": 0.01, "swap_min_tokens": 0},
+    "recompute": {**TIGHT, "preemption_mode": "recompute"},
+    "default_preemption": {**TIGHT},
     "prefix_caching": {"enable_prefix_caching": True},
     "speculation": {"speculative_config": SPEC},
-    "all_three": {"kv_blocks": 48, "preemption_mode": "swap", "swap_min_tokens": 0,
+    "all_three": {**TIGHT, "preemption_mode": "swap", "swap_space": 0.01, "swap_min_tokens": 0,
                   "enable_prefix_caching": True, "speculative_config": SPEC, "max_num_batched_tokens": 96},
 }
 
@@ -111,6 +116,12 @@ def test_feature_is_output_neutral_and_pool_exact(oracle, feature):
         assert st["swapped_out_blocks"] > 0 and st["swapped_in_blocks"] == st["swapped_out_blocks"]
     if feature == "recompute":
         assert st["preemptions"] > 0 and st["recomputed_tokens"] > 0 and st["swapped_out_blocks"] == 0
+    if feature == "default_preemption":
+        # the device's default: on CPU no host pool (device memory is host memory), so preemption recomputes
+        cpu = llm.engine.runner.device.type == "cpu"
+        assert (llm.engine.scheduler.host_pool is None) == cpu and st["preemptions"] > 0
+        if cpu:
+            assert st["recomputed_tokens"] > 0 and st["swapped_out_blocks"] == 0
     if feature == "prefix_caching":
         assert st["prefix_cache_hits"] >= 11 * 96      # 11 of the 12 shared prompts reuse 6 blocks
     if feature == "all_three":

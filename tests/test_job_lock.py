@@ -309,9 +309,9 @@ def s3():
     server.start()
     host, port = server.get_host_and_port()
     url = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=url, aws_access_key_id="test", aws_secret_access_key="test",
+    boto3.client("s3", endpoint_url=url, aws_access_key_id="moto-fake-key-id", aws_secret_access_key="moto-fake-secret",
                  region_name="us-east-1").create_bucket(Bucket="locks")
-    yield {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": url, "region_name": "us-east-1"}}
+    yield {"key": "moto-fake-key-id", "secret": "moto-fake-secret", "client_kwargs": {"endpoint_url": url, "region_name": "us-east-1"}}
     server.stop()
 
 

@@ -40,13 +40,20 @@ def test_freed_blocks_stay_cached_until_evicted_lru():
     b = Sequence("b", list(range(8)) + [99], None)
     hits, keys = kv.match_prefix(b)
     assert hits == [0, 1]                               # still cached after free
-    # allocating evicts the least recently freed: block 3 (never used) first, then 2
+    # a freed block holding no cached prefix (2: a partial block) is reused first, then a never-used
+    # one (3) only when no used block is free ... except cached ones: those are evicted before fresh
+    # blocks are touched, least recently freed first
     x = Sequence("x", [7] * 8, None)
-    kv.allocate(x, 8)
-    assert x.block_table == [3, 2]
+    kv.allocate(x, 4)
+    assert x.block_table == [2]
     assert kv.pool.block_key[2] is None and kv.pool.evictions == 0   # block 2 held no full block
     kv.adopt_prefix(b, hits, keys)
-    assert kv.pool.ref_counts == [1, 1, 1, 1] and kv.pool.num_free == 0
+    assert kv.pool.ref_counts == [1, 1, 1, 0] and kv.pool.num_free == 1
+    kv.free(b)                                          # 1 then 0 rejoin the cached LRU end
+    y = Sequence("y", [8] * 8, None)
+    kv.allocate(y, 4)
+    assert y.block_table == [1] and kv.pool.evictions == 1   # the least recently freed cached block
+    assert kv.match_prefix(Sequence("c", list(range(8)) + [5], None))[0] == [0]
 
 
 def test_eviction_drops_the_cache_entry():

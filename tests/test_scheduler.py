@@ -164,6 +164,8 @@ def test_swapped_in_sequence_can_be_swapped_out_again_in_the_same_step():
     s.swapped.append(b)
     out = s.schedule()
     assert out.swap_in == [(0, 2)]                 # b comes back (2 free blocks >= its 1 + 1)...
-    assert out.preempted == [b] and out.swap_out == [(2, 1)]   # ...and gives way to a at once
+    # ...and gives way to a at once, into the host block its swap-in just freed (used blocks are reused
+    # first): the runner must copy host 0 -> device 2 before device 2 -> host 0
+    assert out.preempted == [b] and out.swap_out == [(2, 0)]
     assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 8)]
-    assert a.block_table == [0, 1, 3, 2] and b.host_blocks == [1] and s.host_pool.num_free == 3
+    assert a.block_table == [0, 1, 2, 3] and b.host_blocks == [0] and s.host_pool.num_free == 3

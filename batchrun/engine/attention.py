@@ -6,6 +6,8 @@ and the reference the Triton backend is checked against.
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,18 +28,60 @@ class AttentionMetadata:
     seq_lens_host: list[int]
 
 
-# Query lengths up to this (decodes, speculative verification) share one batched matmul; longer prefill
-# chunks run SDPA one sequence at a time.
+log = logging.getLogger(__name__)
+
+# Torch path: query lengths up to this (decodes, speculative verification) share one batched matmul; longer
+# prefill chunks run SDPA one sequence at a time.
 SHORT_QUERY = 16
+
+CPU_ATTENTION_ENV = "BATCHRUN_CPU_ATTENTION"    # "op" (default) or "torch"
+_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class TorchAttentionBackend:
-    """Paged attention with torch ops: gathers each sequence's blocks, then SDPA with a causal offset mask."""
+    """The CPU backend. By default CPU tensors go to batchrun.kernels.cpu_attention's compiled op, which
+    reads each sequence's K/V blocks in place (one call per layer for the whole batch: decodes, verification
+    queries and prefill chunks; cost follows the sum of the contexts). The torch path, which gathers each
+    sequence's blocks then runs matmuls or SDPA with a causal offset mask, is the reference; it runs when
+    impl="torch" (or BATCHRUN_CPU_ATTENTION=torch), for tensors not on the CPU, and wherever the op cannot
+    be built (one warning, logged by cpu_attention.load).
+    """
 
     name = "torch"
 
+    def __init__(self, impl: Optional[str] = None):
+        impl = impl or os.environ.get(CPU_ATTENTION_ENV) or "op"
+        if impl not in ("op", "torch"):
+            raise ValueError(f"{CPU_ATTENTION_ENV}/impl must be 'op' or 'torch', got {impl!r}")
+        self.requested = impl
+        self._ops = None         # (attention, store) once loaded; False: unavailable, use the torch path
+
+    @property
+    def impl(self) -> str:
+        """What CPU attention runs: "op", "torch", or "op?" before the first CPU call has loaded the op."""
+        if self.requested == "torch" or self._ops is False:
+            return "torch"
+        return "op" if self._ops else "op?"
+
+    def _cpu_ops(self, x: torch.Tensor):
+        if self.requested == "torch" or x.device.type != "cpu" or x.dtype not in _OP_DTYPES:
+            return None
+        if self._ops is None:                 # first CPU call: build (once per machine) and load
+            from batchrun.kernels import cpu_attention
+            if cpu_attention.load():
+                ops = torch.ops.batchrun_cpu
+                self._ops = (ops.paged_attention.default, ops.store_kv.default)
+                log.info("CPU attention: the compiled op (%s)", cpu_attention.cpu_isa())
+            else:
+                self._ops = False
+        return self._ops or None
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
+        ops = self._cpu_ops(k_cache)
+        if ops is not None:                   # both caches in one call, k and v read in place
+            ops[1](k, v, k_cache, v_cache, meta.slot_mapping)
+            return
         nb, bs, hkv, d = k_cache.shape
         slots = meta.slot_mapping
         k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, k)
@@ -46,6 +90,10 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
         # q: [T, Hq, D]; caches: [N, bs, Hkv, D]
+        ops = self._cpu_ops(q)
+        if ops is not None:
+            return ops[0](q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, float(scale),
+                      -1 if sliding_window is None else int(sliding_window), -1)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         B = len(lens)
         if meta.num_decodes == B:                      # a pure decode step: no index building

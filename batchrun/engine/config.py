@@ -1,7 +1,8 @@
 """EngineConfig: every engine knob in one place, named as in vLLM."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import os
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
 
@@ -11,13 +12,16 @@ class EngineConfig:
 
     model: HF model directory (config.json, *.safetensors, tokenizer.json).
     dtype: "auto" (config.json's dtype), "bfloat16", "float16" or "float32".
-    max_num_seqs: most sequences in one step's batch.
-    max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+    max_num_seqs: most sequences in one step's batch; None: the device's default (DEVICE_DEFAULTS).
+    max_num_batched_tokens: token budget of one step (prefill chunks + decodes); None: the device's default.
     block_size: tokens per KV-cache block.
     max_model_len: longest prompt + output; default from config.json.
-    kv_cache_memory: bytes for the KV cache on CPU (default: a share of free RAM).
+    kv_cache_memory: bytes for the KV cache on CPU (default: what max_num_seqs sequences of max_model_len
+        need, at most half the available RAM; pages are touched only as blocks are first used).
     gpu_memory_utilization: share of GPU memory the engine may use (CUDA only).
-    swap_space: GiB of host memory for swapped-out KV blocks (0 disables swapping).
+    swap_space: GiB of host memory for swapped-out KV blocks (0 disables swapping). None: 4 on CUDA, 0 on
+        CPU, where device memory is host memory and a second pool would only duplicate it (preemption
+        recomputes); a value set explicitly allocates the pool on CPU too.
     preemption_mode: "swap" (swap out when worth it and the host pool has room, else recompute)
         or "recompute" (always drop the KV and recompute, as vLLM V1 does).
     swap_min_tokens: sequences with fewer computed tokens are recomputed rather than swapped
@@ -25,7 +29,11 @@ class EngineConfig:
     enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
     speculative_config: {"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_max": n_max, "prompt_lookup_min": n_min} or None.
-    enforce_eager: disable CUDA graphs.
+    enforce_eager: disable CUDA graphs and torch.compile.
+    compile: torch.compile the dense layer parts on CPU (norms, projections, RoPE, MLP); None: the device's
+        default (DEVICE_DEFAULTS); enforce_eager=True turns it off.
+    threads: torch intra-op threads (torch.set_num_threads); None: the cores this process may run on
+        (os.sched_getaffinity), or $OMP_NUM_THREADS when set.
     attention_backend: "auto" (Triton on CUDA, torch on CPU), "torch" or "triton" (on CPU the Triton
         kernels run only under TRITON_INTERPRET=1: a test path, not a fast one).
     device: "auto", "cpu" or "cuda".
@@ -34,18 +42,20 @@ class EngineConfig:
 
     model: str = ""
     dtype: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
     block_size: int = 16
     max_model_len: Optional[int] = None
     kv_cache_memory: Optional[int] = None
     gpu_memory_utilization: float = 0.9
-    swap_space: float = 4.0
+    swap_space: Optional[float] = None
     preemption_mode: str = "swap"
     swap_min_tokens: int = 16
     enable_prefix_caching: bool = False
     speculative_config: Optional[dict[str, Any]] = None
     enforce_eager: bool = False
+    compile: Optional[bool] = None
+    threads: Optional[int] = None
     attention_backend: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -59,11 +69,48 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.threads is not None and (isinstance(self.threads, bool) or self.threads < 1):
+            raise ValueError(f"threads must be >= 1 (or null: the machine's cores), got {self.threads}")
+        if self.swap_space is not None and self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.preemption_mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+    def resolved(self, device_type: str) -> "EngineConfig":
+        """A copy with every device-dependent default (None) filled in for `device_type` ("cpu" or "cuda")."""
+        d = DEVICE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+        return replace(self, **{k: v for k, v in d.items() if getattr(self, k) is None},
+                       extra=dict(self.extra))
+
+
+def default_threads() -> int:
+    """Threads for threads=None: $OMP_NUM_THREADS when set (launchers such as Ray set it per worker),
+    else the cores this process may run on."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# Defaults of the knobs left None, per device.
+# CPU: measured on SmolLM2-135M-Instruct (bf16) summarising stdlib docstrings (150-500-token chat
+# prompts, max_tokens 64), 256 rows, a grid of max_num_seqs {16..256} x max_num_batched_tokens
+# {512, 2048, 8192}: see the README's engine-knob table for the figures.
+# CUDA: vLLM's defaults; a decode step is cheap next to its launch cost, so wide batches pay.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "swap_space": 0.0, "compile": False},
+    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "swap_space": 4.0, "compile": False},
+}

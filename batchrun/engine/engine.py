@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.kv_cache import BlockPool, KVCacheManager, blocks_needed
-from batchrun.engine.runner import ModelRunner
+from batchrun.engine.runner import ModelRunner, resolve_device
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
 from batchrun.engine.speculative import NgramProposer, SeqSpecState, SpecConfig
@@ -21,6 +21,8 @@ class LLMEngine:
     """One engine replica over one model. Not thread-safe: drive it from one thread."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None):
+        # the knobs left None get the device's defaults (config.DEVICE_DEFAULTS)
+        config = config.resolved(resolve_device(config.device).type)
         self.config = config
         info = inspect_model(config.model)   # fails on a bad directory before any weight is read
         if tokenizer is None:
@@ -46,6 +48,7 @@ class LLMEngine:
         self._stats = {"steps": 0, "batched_tokens": 0, "prompt_tokens": 0, "output_tokens": 0,
                        "requests": 0, "errors": 0, "decode_entries": 0, "decode_tokens": 0,
                        "spec_proposed": 0, "spec_accepted": 0, "spec_steps_disabled": 0}
+        self._step_s = 0.0          # wall time inside step(); minus the runner's forward_s: host overhead
         ledger = self.runner.memory_ledger
         log.info("memory ledger: weights %.1f MiB, KV %d B/token, %d blocks x %d tokens = %d tokens "
                  "(%.1f MiB), %.2f sequences at max_model_len=%d",
@@ -102,6 +105,13 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns the requests that finished in it (text is None unless stop strings ran)."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self._step_s += time.perf_counter() - t0
+
+    def _step(self) -> list[RequestOutput]:
         finished = self._pending_errors
         self._pending_errors = []
         if self.proposer is not None:
@@ -227,4 +237,12 @@ class LLMEngine:
         s["mean_tokens_per_decode_step"] = (s["decode_tokens"] / s["decode_entries"]
                                             if s["decode_entries"] else 0.0)
         s["prefix_cache_hit_rate"] = self.kv.prefix_hits / self.kv.prefix_queries if self.kv.prefix_queries else 0.0
+        # host overhead: step() time outside the model's forward and logits (scheduling, input
+        # preparation, sampling, bookkeeping). CPU figures: on CUDA the forward is asynchronous.
+        s["step_s"] = self._step_s
+        s["forward_s"] = self.runner.forward_s
+        s["host_overhead_s"] = max(0.0, self._step_s - self.runner.forward_s)
+        s["host_overhead_ms_per_step"] = 1e3 * s["host_overhead_s"] / s["steps"] if s["steps"] else 0.0
+        s["host_overhead_fraction"] = s["host_overhead_s"] / self._step_s if self._step_s > 0 else 0.0
+        s["blocks_touched"] = self.kv.pool.num_touched
         return s

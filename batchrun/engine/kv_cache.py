@@ -23,14 +23,24 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class BlockPool:
-    """Fixed pool of `num_blocks` ids. A block with ref count 0 is free (and evictable if cached)."""
+    """Fixed pool of `num_blocks` ids. A block with ref count 0 is free (and evictable if cached).
+
+    The KV tensors behind the pool are allocated untouched (no RSS on CPU until a block is first
+    written), so the pool hands out a never-used id only when no used one is free: the memory a job
+    touches follows its peak working set, not the pool's size. Free used blocks are taken in this
+    order: those holding no cached prefix (least recently freed first), then cached ones, least
+    recently freed first, evicting their cache entry.
+    """
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self._free_plain: OrderedDict[int, None] = OrderedDict()    # free, used before, nothing cached
+        self._free_cached: OrderedDict[int, None] = OrderedDict()   # free, holding a published block; LRU first
+        self._next_fresh = 0                                        # ids >= this were never handed out
+        self._num_used = 0
         self.peak_used = 0
         # prefix cache
         self.block_key: list[Optional[Hashable]] = [None] * num_blocks
@@ -40,25 +50,38 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._num_used
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self._num_used
+
+    @property
+    def num_touched(self) -> int:
+        """Blocks ever handed out: all the KV tensors have paged in."""
+        return self._next_fresh
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free")
         ids = []
+        plain, cached = self._free_plain, self._free_cached
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            if self.block_key[b] is not None:       # evict its cached content
-                del self.cached[self.block_key[b]]
+            if plain:
+                b, _ = plain.popitem(last=False)
+            elif cached:
+                b, _ = cached.popitem(last=False)
+                del self.cached[self.block_key[b]]          # evict its cached content
                 self.block_key[b] = None
                 self.evictions += 1
+            else:
+                b = self._next_fresh
+                self._next_fresh += 1
             self.ref_counts[b] = 1
             ids.append(b)
-        self.peak_used = max(self.peak_used, self.num_used)
+        self._num_used += n
+        if self._num_used > self.peak_used:
+            self.peak_used = self._num_used
         return ids
 
     def incref(self, ids: list[int]) -> None:
@@ -75,7 +98,8 @@ class BlockPool:
                 raise ValueError(f"double free of block {b}")
             self.ref_counts[b] = rc - 1
             if rc == 1:
-                self._free[b] = None
+                (self._free_plain if self.block_key[b] is None else self._free_cached)[b] = None
+                self._num_used -= 1
 
     # -- prefix cache ------------------------------------------------------------------------
     def lookup(self, key: Hashable, parent: int) -> Optional[int]:
@@ -87,8 +111,9 @@ class BlockPool:
     def take_cached(self, b: int) -> None:
         """Add a reference to cached block b, reviving it from the free pool if needed."""
         if self.ref_counts[b] == 0:
-            del self._free[b]
-            self.peak_used = max(self.peak_used, self.num_used)
+            del self._free_cached[b]              # a cached block is free only in _free_cached
+            self._num_used += 1
+            self.peak_used = max(self.peak_used, self._num_used)
         self.ref_counts[b] += 1
 
     def register(self, b: int, key: Hashable, parent: int) -> None:

@@ -77,27 +77,37 @@ class Scheduler:
         self._swap_in(out)
         budget = self.max_num_batched_tokens
         kv = self.kv
+        pool, bs = kv.pool, kv.block_size
+        running = self.running
+        scheduled = out.scheduled
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = seq.num_tokens - seq.num_computed_tokens + len(seq.draft)
-            if seq.draft and (n > budget or kv.num_new_blocks(seq, seq.num_computed_tokens + n)
-                              > kv.pool.num_free):
-                seq.draft = []            # drafts are optional: never preempt or chunk for them
-                n = seq.num_tokens - seq.num_computed_tokens
-            n = min(n, budget)
-            need = kv.num_new_blocks(seq, seq.num_computed_tokens + n)
+        # the hot loop of a decode step: block arithmetic inlined (kv.num_new_blocks / kv.allocate)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
+            draft = seq.draft
+            if draft:
+                if (n + len(draft) > budget
+                        or kv.num_new_blocks(seq, computed + n + len(draft)) > pool.num_free):
+                    draft = []            # drafts are optional: never preempt or chunk for them
+                else:
+                    n += len(draft)
+            if n > budget:
+                n = budget
+            need = -(-(computed + n) // bs) - len(seq.block_table)
             preempted_self = False
-            while need > kv.pool.num_free:
-                victim = self.running.pop()          # newest; never one already scheduled (index < i)
+            while need > pool.num_free:
+                victim = running.pop()               # newest; never one already scheduled (index < i)
                 self._preempt(victim, out)
                 if victim is seq:
                     preempted_self = True
                     break
             if preempted_self:
                 break
-            kv.allocate(seq, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.draft))
+            if need > 0:
+                seq.block_table.extend(pool.allocate(need))
+            scheduled.append(ScheduledSeq(seq, n, draft))
             seq.draft = []
             budget -= n
             i += 1

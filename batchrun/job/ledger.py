@@ -9,9 +9,10 @@ Layout under the output URL:
     _batchrun/summary.json      the final summary
     _SUCCESS                    every unit is done
 A unit is done iff its marker exists and each file the marker lists has the recorded size. Part files
-no marker lists are removed on resume and rewritten. One marker object per unit, written create-only
-(local: link(); S3: If-None-Match: *), so concurrent workers can commit different units and two workers
-can never both commit the same one: the loser learns it lost and does not count the unit.
+no marker lists are removed on resume and rewritten. Part files and markers are both written
+create-only (local: link(); S3: If-None-Match: *), so concurrent workers can commit different units,
+two workers can never both commit the same one (the loser learns it lost and does not count the unit),
+and a marker always describes the part its own writer created (job/commit.py).
 Every store call is retried on transient failures; listings bypass the fsspec listings cache.
 """
 from __future__ import annotations
@@ -206,23 +207,16 @@ class Ledger:
 
     def commit_unit(self, unit: int, table, metadata: dict[str, Any], marker: dict,
                     partition_by: Sequence[str] = (), before_publish: Optional[Callable[[], None]] = None,
-                    after_publish: Optional[Callable[[], None]] = None) -> Optional[dict]:
-        """Publish a unit's results, then its done marker. Returns the marker, or None when another
-        worker committed the unit first (then nothing here may count it; its part is not re-published
-        if that worker's marker was already visible).
+                    after_publish: Optional[Callable[[], None]] = None, **kw) -> Optional[dict]:
+        """Publish a unit's results (create-only), then its done marker. Returns the marker, or None when
+        another worker committed the unit (then nothing here may count it). See batchrun/job/commit.py
+        (writer, fence: the job lock's proof; LockLost when this run lost the lock).
 
         marker: the unit's facts (rows, tokens, input slice); the files written are added to it.
         """
-        if self.is_done(unit):
-            return None
-        files = self.sink.commit_partitioned(unit, table, metadata, list(partition_by), before_publish)
-        if after_publish:
-            after_publish()
-        m = {**marker, "unit": unit, "bytes": sum(c.bytes for c in files),
-             "files": [{"name": c.name, "bytes": c.bytes, "sha256": c.sha256} for c in files]}
-        if not partition_by:
-            m.update(file=files[0].name, sha256=files[0].sha256)
-        return m if self.mark_done(unit, m) else None
+        from batchrun.job.commit import commit_unit
+        return commit_unit(self, unit, table, metadata, marker, partition_by, before_publish=before_publish,
+                           after_publish=after_publish, **kw)
 
     def committed_files(self) -> list[str]:
         """Paths of the part files of committed units, in unit order (what `query` reads)."""

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import pyarrow as pa
 
@@ -138,6 +138,7 @@ def job_fingerprint(spec: JobSpec, source: Source, model: ModelInfo) -> dict[str
         "input": {"format": type(source).__name__, "files": source.listing.fingerprint(),
                   **({"sql": inp.sql} if inp.sql is not None else {})},
         "units": {"unit_rows": spec.plan.unit_rows},
+        "output_schema": 2,      # 2: the `shared` column; outputs written without it are not resumed into
         # only when set, so the manifests of unpartitioned jobs stay valid
         **({"output": {"partition_by": spec.output.partition_by}} if spec.output.partition_by else {}),
     }
@@ -259,9 +260,11 @@ def windows(units: Sequence[Unit], window_units: int) -> list[list[Unit]]:
     return [list(units[i:i + window_units]) for i in range(0, len(units), window_units)]
 
 
-def length_order(token_ids: Sequence[Sequence[int]], max_tokens: int, block_size: int) -> list[int]:
+def length_order(token_ids: Sequence[Sequence[int]], max_tokens: Union[int, Sequence[int]],
+                 block_size: int) -> list[int]:
     """Indices in submission order: longest (prompt + max_tokens) first, and prompts whose first KV
     block is identical kept adjacent (so a shared prefix is computed while its blocks are cached).
+    max_tokens: one for all rows, or each row's own (per-row sampling: OpenAI Batch max_completion_tokens).
 
     Rows are grouped by their first `block_size` tokens; groups go longest-member first, and inside a
     group longest first. Ties keep input order, so the order is deterministic.
@@ -269,7 +272,8 @@ def length_order(token_ids: Sequence[Sequence[int]], max_tokens: int, block_size
     groups: dict[tuple, list[int]] = {}
     for i, ids in enumerate(token_ids):
         groups.setdefault(tuple(ids[:block_size]), []).append(i)
-    total = [len(ids) + max_tokens for ids in token_ids]
+    limits = [max_tokens] * len(token_ids) if isinstance(max_tokens, int) else list(max_tokens)
+    total = [len(ids) + m for ids, m in zip(token_ids, limits)]
     for g in groups.values():
         g.sort(key=lambda i: (-total[i], i))
     ordered = sorted(groups.values(), key=lambda g: (-total[g[0]], g[0]))
@@ -277,7 +281,9 @@ def length_order(token_ids: Sequence[Sequence[int]], max_tokens: int, block_size
 
 
 # -- the `validate` report --------------------------------------------------------------------
-def _kv_budget_estimate(spec: JobSpec, weights_bytes: int) -> tuple[Optional[int], str]:
+def _kv_budget_estimate(spec: JobSpec, weights_bytes: int, kv_bytes_per_token: int,
+                        max_len: int) -> tuple[Optional[int], str]:
+    """What the engine will size its KV cache to (runner.ModelRunner._kv_budget), without loading it."""
     if spec.engine.kv_cache_memory is not None:
         return int(spec.engine.kv_cache_memory), "engine.kv_cache_memory"
     import torch
@@ -285,15 +291,15 @@ def _kv_budget_estimate(spec: JobSpec, weights_bytes: int) -> tuple[Optional[int
         total = torch.cuda.get_device_properties(0).total_memory
         return int(spec.engine.gpu_memory_utilization * total - weights_bytes), \
             "estimate: gpu_memory_utilization x GPU memory - weights (activations are profiled at load)"
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        pass
-    if avail is None:
-        return None, "decided at load"
-    return int(min(4 << 30, 0.25 * avail)), "estimate: min(4 GiB, 25% of available RAM), as on CPU"
+    from batchrun.engine.config import DEVICE_DEFAULTS
+    from batchrun.engine.kv_cache import blocks_needed
+    from batchrun.engine.runner import _available_host_memory
+    seqs = spec.engine.max_num_seqs or DEVICE_DEFAULTS["cpu"]["max_num_seqs"]
+    bs = spec.engine.block_size
+    useful = seqs * blocks_needed(max_len, bs) * bs * kv_bytes_per_token
+    half = int(0.5 * _available_host_memory())
+    return min(useful, half), (f"max_num_seqs {seqs} x max_model_len {max_len}" if useful <= half
+                               else "half the available RAM") + "; pages touched only as used"
 
 
 def _stats(xs: list[int]) -> dict[str, Any]:
@@ -330,7 +336,7 @@ def plan_report(plan: JobPlan, sample: int = 256) -> dict[str, Any]:
     dtype = info.torch_dtype(spec.model.dtype)
     kvb = info.kv_bytes_per_token(dtype)
     memory = info.memory_bytes(dtype)
-    budget, how = _kv_budget_estimate(spec, memory)
+    budget, how = _kv_budget_estimate(spec, memory, kvb, max_len)
     kv_tokens = None if budget is None else budget // kvb
     # on disk: the file's own tensor types (F32, BF16, Q4_1, ...); in memory: every parameter in `dtype`
     ledger = {"architecture": info.architecture, "format": info.format, "num_params": info.num_params,
@@ -341,7 +347,7 @@ def plan_report(plan: JobPlan, sample: int = 256) -> dict[str, Any]:
               "kv_bytes_per_token": kvb, "max_model_len": max_len, "kv_cache_bytes": budget, "kv_budget": how,
               "kv_tokens": kv_tokens,
               "max_concurrency_at_max_model_len": None if kv_tokens is None else round(kv_tokens / max_len, 2),
-              "max_num_seqs": spec.engine.max_num_seqs}
+              "max_num_seqs": spec.engine.max_num_seqs or "device default"}
     sink = ParquetSink(spec.output.uri, spec.output.storage_options, create=False)
     led = Ledger(sink)
     manifest = led.read_manifest()

@@ -33,7 +33,9 @@ from typing import Any, Callable, Optional
 import pyarrow as pa
 
 from batchrun.connectors import InputError, ParquetSink, Unit
+from batchrun.job.commit import lock_fence, writer_identity
 from batchrun.job.ledger import DONE_DIR, Ledger
+from batchrun.job.lock import JobLock
 from batchrun.job.plan import JobPlan, Rendered, fingerprint_hash, make_plan
 from batchrun.job.run import PROGRESS_INTERVAL_S, JobRunner, _Prepared
 from batchrun.job.spec import JobSpec
@@ -104,9 +106,10 @@ class ReplicaWorker:
     assign(items): [(unit, directive)]; directive None, "last" (if the input fails again, commit error
     rows) or ("fail", message) (commit error rows without reading the prompts)."""
 
-    def __init__(self, spec: JobSpec, fingerprint: str, index: int, threads: int):
+    def __init__(self, spec: JobSpec, fingerprint: str, index: int, threads: int, lock_token: Optional[str] = None):
         self.index = index
         self.init_error: Optional[BaseException] = None
+        self.lock_token = lock_token          # the driver's job lock: commits check it is still held
         try:
             self._setup(spec, fingerprint, threads)
         except Exception as e:   # noqa: BLE001 - raised by info(): a bad node fails the job, not restarts
@@ -133,6 +136,8 @@ class ReplicaWorker:
         self.runner.on_unit_error = self._unit_error
         self.sink = ParquetSink(spec.output.uri, spec.output.storage_options)
         self.ledger = Ledger(self.sink)
+        self.runner.writer = writer_identity(self.lock_token)
+        self.runner.fence = lock_fence(JobLock(self.sink), self.lock_token)
         self.engine = self.runner._default_engine(plan.tokenizer)      # the weights, once per actor
         self.runner.engine_factory = lambda tokenizer: self.engine
         self.load_s = time.perf_counter() - t0
@@ -291,6 +296,7 @@ class RayJobRunner(JobRunner):
     def __init__(self, plan: JobPlan, restart: bool = False, progress_bar: bool = True,
                  address: Optional[str] = None, log: Callable[[str], None] = None):
         super().__init__(plan, restart=restart, progress_bar=progress_bar, log=log)
+        self.live_progress = False          # the driver's loop writes progress.json itself
         self.rt = plan.spec.runtime
         self.address = address if address is not None else self.rt.address
         self.replicas: list[_Replica] = []
@@ -370,7 +376,8 @@ class RayJobRunner(JobRunner):
             pending[ref] = (rep, rep.incarnation, kind)
 
         for i in range(n):
-            rep = _Replica(i, actor_cls.remote(spec, fp, i, int(math.ceil(cpus))), ready_since=time.time())
+            rep = _Replica(i, actor_cls.remote(spec, fp, i, int(math.ceil(cpus)), self.job_lock.token),
+                           ready_since=time.time())
             self.replicas.append(rep)
             call(rep, "ready", rep.handle.info.remote())
         bar = self._bar()
@@ -624,11 +631,11 @@ class RayJobRunner(JobRunner):
         fin = sum(r["rows_finished"] for r in reps)
         elapsed = max(time.time() - self.t_start, 1e-9)
         rate = sum(r["rows_per_s"] or 0 for r in reps)
-        remaining = self.rows_todo - rows
+        remaining = self.rows_todo - max(fin, rows)
         try:
             self.ledger.write_progress({
                 "state": state, "job": self.spec.name, "pid": os.getpid(), "host": socket.gethostname(),
-                "backend": "ray", "started_at": self.t_start, "updated_at": time.time(), "elapsed_s": elapsed,
+                "rows_finished": self.rows_done_before + max(fin, rows), "backend": "ray", "started_at": self.t_start, "updated_at": time.time(), "elapsed_s": elapsed,
                 "units_total": len(self.plan.units), "units_done": self.units_done_before + units,
                 "rows_total": self.plan.num_rows, "rows_done": self.rows_done_before + rows,
                 "rows_finished_this_run": fin, "output_tokens_this_run": otok,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import queue
-import resource
 import signal
 import socket
 import sys
@@ -26,10 +25,16 @@ from typing import Any, Callable, Optional
 import pyarrow as pa
 
 from batchrun.connectors import ParquetSink, Unit
+from batchrun.connectors.secrets import redact
 from batchrun.connectors.sink import check_partition_types
+from batchrun.job.commit import LockLost, lock_fence, writer_identity
+from batchrun.job.dedupe import RUN, WAIT, Deduper, request_key
+from batchrun.job.hooks import CRASH_ENV, CrashHook
 from batchrun.job.ledger import SUCCESS, SUMMARY, FingerprintMismatch, Ledger
 from batchrun.job.lock import JobLock, LockHeld
 from batchrun.job.plan import JobPlan, Rendered, fingerprint_hash, length_order, render, windows
+from batchrun.job.progress import EngineAccount, ProgressTracker, Publisher, bar_postfix, progress_interval
+from batchrun.job.results import job_summary, result_table
 from batchrun.job.spec import JobSpec
 
 # Exit codes (README: "Exit codes"). A scheduler should retry 1, 73, 74 and 75, not 2, 3 or 4.
@@ -43,40 +48,12 @@ EXIT_STORAGE = 74         # EX_IOERR: object-store I/O failed for good (retries 
 EXIT_INTERRUPTED = 75     # EX_TEMPFAIL: SIGTERM/SIGINT; re-submit to resume
 
 PROGRESS_INTERVAL_S = 2.0
-# Engine counters copied into summary.json: batching, preemption (swap / recompute), prefix cache, speculation.
-SUMMARY_ENGINE_STATS = ("steps", "tokens_per_step", "num_blocks", "peak_blocks_used", "preemptions",
-                        "swapped_out_blocks", "swapped_in_blocks", "recomputed_tokens", "prefix_cache_queries",
-                        "prefix_cache_hits", "prefix_cache_hit_rate", "spec_proposed", "spec_accepted",
-                        "spec_acceptance_rate", "mean_tokens_per_decode_step")
-CRASH_ENV = "BATCHRUN_TEST_CRASH_AT"
-
 __all__ = ["JobRunner", "Interrupted", "FingerprintMismatch", "run_job", "EXIT_OK", "EXIT_UNEXPECTED",
            "EXIT_BAD_JOB", "EXIT_INPUT", "EXIT_FINGERPRINT", "EXIT_INTERRUPTED", "EXIT_LOCKED", "LockHeld"]
 
 
 class Interrupted(Exception):
     """The job stopped on a signal; committed units stay, a re-submit resumes."""
-
-
-class _CrashHook:
-    """Test hook: BATCHRUN_TEST_CRASH_AT=point:n SIGKILLs this process the n-th time `point` is reached.
-    Points: step (after an engine step), mid_write (part bytes written, not yet published), after_part
-    (published, no done marker yet), after_done (marker written), before_success (summary written)."""
-
-    def __init__(self, value: Optional[str]):
-        self.point, self.n, self.count = None, 1, 0
-        if value:
-            point, _, n = value.partition(":")
-            self.point, self.n = point, int(n or 1)
-        self.lock = threading.Lock()
-
-    def __call__(self, point: str) -> None:
-        if point != self.point:
-            return
-        with self.lock:
-            self.count += 1
-            if self.count >= self.n:
-                os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -88,11 +65,12 @@ class _Prepared:
 
 
 class _UnitState:
-    __slots__ = ("prep", "outputs", "remaining")
+    __slots__ = ("prep", "outputs", "remaining", "shared")
 
     def __init__(self, prep: _Prepared):
         self.prep = prep
         self.outputs: list[Any] = [None] * prep.unit.num_rows
+        self.shared: list[bool] = [False] * prep.unit.num_rows     # output computed for an identical row
         self.remaining = sum(1 for e in prep.rendered.errors if e is None)
 
 
@@ -102,10 +80,6 @@ _END = object()
 class _ReaderError:
     def __init__(self, error: BaseException):
         self.error = error
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class JobRunner:
@@ -122,8 +96,8 @@ class JobRunner:
         self.restart = restart
         self.progress_bar = progress_bar
         self.engine_factory = engine_factory or self._default_engine
-        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.crash = _CrashHook(os.environ.get(CRASH_ENV))
+        self.log = log or (lambda msg: print(redact(msg), file=sys.stderr, flush=True))
+        self.crash = CrashHook(os.environ.get(CRASH_ENV))
         self.params = self.spec.sampling_params()
         self.stop = threading.Event()
         self.stop_reason: Optional[str] = None
@@ -140,6 +114,16 @@ class JobRunner:
         self.idle_s = 0.0               # engine loop time spent with nothing to run, waiting for input
         self.rows_todo = 0
         self.stats: dict = {}
+        self.tracker: Optional[ProgressTracker] = None
+        # who writes part files and how it proves the job lock is still its run's (batchrun/job/commit.py)
+        self.writer: dict = writer_identity(None)
+        self.fence: Callable[[], None] = lambda: None
+        self.deduper: Optional[Deduper] = None
+        self.units_done_before = self.rows_done_before = 0
+        self._bar_n = 0                 # rows shown on the tqdm bar so far
+        self.live_progress = True       # a Publisher thread rewrites progress.json (the Ray driver: its loop)
+        # rows admitted to / finished by the engine, for the ETA's credit of rows in flight (engine thread)
+        self._eng = EngineAccount()
         self.memory_ledger: dict = {}
         # Hooks for a replica of a distributed run (batchrun.job.ray_runner); None in a local run.
         self.on_commit: Optional[Callable[[Unit, dict], None]] = None      # after a unit's done marker
@@ -160,12 +144,20 @@ class JobRunner:
         --restart can never reset the output under a live run."""
         self.sink = ParquetSink(self.spec.output.uri, self.spec.output.storage_options)
         self.job_lock = JobLock(self.sink, self.spec.name, log=self.log)
-        self.job_lock.acquire()
-        self.job_lock.start_heartbeat(PROGRESS_INTERVAL_S, self._lock_lost)
+        # handlers first: a signal while the lock is taken or the ledger opens stops the run cleanly
+        # (the lock released), instead of killing the process with the lock left behind
+        old_handlers = self._install_signals()
         try:
-            return self._run_locked()
+            self.job_lock.acquire()
+            self.writer = writer_identity(self.job_lock.token)      # recorded in every part file
+            self.fence = lock_fence(self.job_lock, self.job_lock.token)
+            self.job_lock.start_heartbeat(PROGRESS_INTERVAL_S, self._lock_lost)
+            try:
+                return self._run_locked()
+            finally:
+                self.job_lock.release()
         finally:
-            self.job_lock.release()
+            self._restore_signals(old_handlers)
 
     def _lock_lost(self, message: str) -> None:
         self.stop_reason = message
@@ -175,12 +167,14 @@ class JobRunner:
         spec, plan = self.spec, self.plan
         self.t_start = time.time()
         check_partition_types(plan.source.schema, spec.output.partition_by)
+        self._check_stop()
         self.ledger = Ledger(self.sink)
         done = self.ledger.open(plan.fingerprint, plan.info(), restart=self.restart)
         todo = [u for u in plan.units if u.index not in done]
         self.units_done_before = len(done)
         self.rows_done_before = sum(int(m.get("rows", 0)) for m in done.values())
         self.rows_todo = sum(u.num_rows for u in todo)
+        self._check_stop()
         if done:
             self.log(f"batchrun: resuming {spec.name}: {len(done)} of {len(plan.units)} units already "
                      f"committed, {len(todo)} to go")
@@ -188,14 +182,18 @@ class JobRunner:
             stored = self.ledger.read_json(SUMMARY) or {}   # a finished job: report it, rewrite nothing
             return {**stored, "units_committed": 0, "units_skipped": len(done), "rows_this_run": 0}
         self.ledger.remove(SUCCESS)
-        old_handlers = self._install_signals()
+        self.tracker = ProgressTracker(self.rows_todo)
+        self._progress("running")        # at once: `status` names this attempt, not a killed one
+        publisher = Publisher(lambda: self._progress("running"), log=self.log).start() \
+            if self.live_progress else None
         try:
             if todo:
                 self._run_units(todo)
+            if publisher is not None:
+                publisher.stop()
             if self.stop.is_set():
                 self._progress("interrupted")
-                raise Interrupted(f"stopped by {self.stop_reason}: {self._committed_units} unit(s) committed "
-                                  f"this run; re-submit to resume")
+                self._check_stop()
             summary = self._summary()
             if spec.output.openai_jsonl:     # from the committed parts, so exactly once like them
                 summary["openai_output"] = self._write_openai_output(summary["fingerprint"])
@@ -205,10 +203,19 @@ class JobRunner:
         except (Interrupted, FingerprintMismatch):
             raise
         except BaseException:
+            if publisher is not None:
+                publisher.stop()
             self._progress("failed")
             raise
         finally:
-            self._restore_signals(old_handlers)
+            if publisher is not None:
+                publisher.stop()
+
+    def _check_stop(self) -> None:
+        """Raise Interrupted if a signal (or a lost lock) asked this run to stop."""
+        if self.stop.is_set():
+            raise Interrupted(f"stopped by {self.stop_reason}: {self._committed_units} unit(s) committed "
+                              f"this run; re-submit to resume")
 
     def _write_openai_output(self, fingerprint: str) -> str:
         from batchrun.connectors.openai_output import write_openai_output
@@ -259,16 +266,20 @@ class JobRunner:
         writer = threading.Thread(target=self._writer, args=(write_q,), name="batchrun-writer", daemon=True)
         reader.start()               # reads and tokenizes while the weights load
         writer.start()
+        bar = self._bar()
         try:
             self.engine = self.engine_factory(self.plan.tokenizer)
             self.memory_ledger = dict(self.engine.memory_ledger)
-            self._engine_loop(read_q, write_q)
+            self._engine_loop(read_q, write_q, bar)
         finally:
             self._stop_reading = True
             self._put(write_q, _END, force=True)
             writer.join()
             if hasattr(self, "engine"):
                 self.stats = dict(self.engine.stats)
+                self._sample(bar)           # the last units' commits, on the bar too
+            if bar is not None:
+                bar.close()
         if self._writer_error is not None:
             raise self._writer_error
 
@@ -308,8 +319,11 @@ class JobRunner:
                 reqs = [(p.unit.index, i, ids, p.rendered.prompts[i],
                          (p.rendered.params[i] if p.rendered.params else None) or self.params) for p in preps
                         for i, ids in enumerate(p.rendered.token_ids) if p.rendered.errors[i] is None]
+                if spec.dedupe:          # hashed here, off the engine thread
+                    reqs = [(*r, request_key(r[2], r[4])) for r in reqs]
                 if spec.plan.order == "length":
-                    order = length_order([r[2] for r in reqs], self.params.max_tokens, spec.engine.block_size)
+                    order = length_order([r[2] for r in reqs], [r[4].max_tokens for r in reqs],   # per-row limits
+                                         spec.engine.block_size)
                     reqs = [reqs[i] for i in order]
                 if not self._put(read_q, (preps, reqs)):
                     return
@@ -317,17 +331,17 @@ class JobRunner:
         except BaseException as e:   # noqa: BLE001 - handed to the main thread, which re-raises
             self._put(read_q, _ReaderError(e))
 
-    def _engine_loop(self, read_q: queue.Queue, write_q: queue.Queue) -> None:
+    def _engine_loop(self, read_q: queue.Queue, write_q: queue.Queue, bar=None) -> None:
         eng = self.engine
-        max_seqs = self.spec.engine.max_num_seqs
+        max_seqs = eng.config.max_num_seqs      # resolved: the device's default when the job leaves it
         target = 2 * max_seqs            # queued beyond the running batch, so admission never starves
         states: dict[int, _UnitState] = {}
         pending: deque = deque()
         reader_done = False
-        bar = self._bar()
         t0 = time.perf_counter()
-        last_progress = last_bar = 0.0
-        finished_since_bar = 0
+        last_sample = 0.0
+        dd = Deduper() if self.spec.dedupe else None
+        self.deduper = dd
         try:
             while not self.stop.is_set():
                 if self._writer_error is not None:
@@ -354,14 +368,22 @@ class JobRunner:
                         preps, reqs = item
                         for p in preps:
                             st = _UnitState(p)
+                            with self._lock:     # rows that failed to render are finished already
+                                self._finished_rows += p.unit.num_rows - st.remaining
                             if st.remaining == 0:        # every row failed to render
                                 self._put(write_q, st, force=True)
                             else:
                                 states[p.unit.index] = st
                         pending.extend(reqs)
                         continue
-                    k, i, ids, prompt, params = pending.popleft()
-                    eng.add_request(f"{k}:{i}", ids, params, prompt=prompt)   # per-row params: openai_batch
+                    k, i, ids, prompt, params, *key = pending.popleft()
+                    rid = f"{k}:{i}"
+                    verdict = dd.admit(rid, key[0]) if dd is not None else RUN
+                    if verdict is RUN:
+                        eng.add_request(rid, ids, params, prompt=prompt)   # per-row params: openai_batch
+                        self._eng.admitted(params.max_tokens)
+                    elif verdict is not WAIT:        # an identical row finished earlier: its output, shared
+                        self._deliver(rid, verdict, states, write_q, shared=True)
                 if not eng.has_unfinished_requests():
                     if reader_done and not pending:
                         break
@@ -371,35 +393,57 @@ class JobRunner:
                 self.engine_s += time.perf_counter() - s
                 self.crash("step")
                 for out in outs:
-                    k, _, i = out.request_id.partition(":")
-                    st = states[int(k)]
-                    st.outputs[int(i)] = out
-                    st.remaining -= 1
-                    if st.remaining == 0:
-                        del states[int(k)]
-                        self._put(write_q, st, force=True)
-                finished_since_bar += len(outs)
+                    self._engine_finished(out, states)
+                    self._deliver(out.request_id, out, states, write_q)
+                    if dd is not None:
+                        followers = dd.finished(out)
+                        if followers:
+                            self.crash("fanout")      # computed once, not yet given to its identical rows
+                        for f in followers:
+                            self._deliver(f, out, states, write_q, shared=True)
                 now = time.perf_counter()
-                if now - last_bar >= 0.5 and finished_since_bar:
-                    self._count_finished(finished_since_bar, bar, now - t0)
-                    finished_since_bar, last_bar = 0, now
-                if now - last_progress >= PROGRESS_INTERVAL_S:
+                if now - last_sample >= 0.5:
                     self.loop_s = now - t0
-                    self._progress("running")
-                    last_progress = now
+                    self._sample(bar)
+                    last_sample = now
         finally:
             self.loop_s = time.perf_counter() - t0
-            self._count_finished(finished_since_bar, bar, self.loop_s)
-            if bar is not None:
-                bar.close()
+            self._sample(bar)
 
-    def _count_finished(self, n: int, bar, elapsed: float) -> None:
+    def _engine_finished(self, out, states: dict) -> None:
+        """Account an output of the engine itself (not a shared one): the ETA's in-flight credit."""
+        k, _, i = out.request_id.partition(":")
+        rp = states[int(k)].prep.rendered.params
+        self._eng.finished(out, ((rp[int(i)] if rp else None) or self.params).max_tokens)
+
+    def _deliver(self, rid: str, out, states: dict, write_q: queue.Queue, shared: bool = False) -> None:
+        """Give row `rid` its output; a unit whose rows all have one goes to the writer."""
+        k, _, i = rid.partition(":")
+        st = states[int(k)]
+        st.outputs[int(i)] = out
+        if shared:
+            st.shared[int(i)] = True
+        st.remaining -= 1
         with self._lock:
-            self._finished_rows += n
-        if bar is not None and n:
-            bar.update(n)
-            bar.set_postfix_str(f"{self.engine.stats['output_tokens'] / max(elapsed, 1e-9):.0f} tok/s",
-                                refresh=False)
+            self._finished_rows += 1
+        if st.remaining == 0:
+            del states[int(k)]
+            self._put(write_q, st, force=True)
+
+    def _sample(self, bar) -> None:
+        """Feed the progress tracker (and the bar) from counters at hand: no store I/O here."""
+        tokens, credit = self._eng.generated(int(self.engine.stats.get("decode_tokens", 0)))
+        with self._lock:
+            fin, units = self._finished_rows, self._committed_units
+        if self.tracker is None:
+            self.tracker = ProgressTracker(self.rows_todo)
+        self.tracker.sample(fin, tokens, credit)
+        if bar is not None:
+            if fin > self._bar_n:
+                bar.update(fin - self._bar_n)
+                self._bar_n = fin
+            bar.set_postfix_str(bar_postfix(self.tracker.snapshot(), self.units_done_before + units,
+                                            len(self.plan.units)), refresh=False)
 
     def _writer(self, write_q: queue.Queue) -> None:
         spec = self.spec
@@ -416,12 +460,17 @@ class JobRunner:
                 table, stats = self._result_table(st)
                 unit = st.prep.unit
                 # parts, then a create-only done marker; None: another worker committed this unit first
-                marker = self.ledger.commit_unit(
-                    unit.index, table, {**meta, "batchrun.unit": str(unit.index)},
-                    {"rows": table.num_rows, **stats, "committed_at": time.time(),
-                     "input": {"path": unit.path, "row_start": unit.row_start, "num_rows": unit.num_rows}},
-                    partition_by=spec.output.partition_by, before_publish=lambda: self.crash("mid_write"),
-                    after_publish=lambda: self.crash("after_part"))
+                try:
+                    marker = self.ledger.commit_unit(
+                        unit.index, table, {**meta, "batchrun.unit": str(unit.index)},
+                        {"rows": table.num_rows, **stats, "committed_at": time.time(),
+                         "input": {"path": unit.path, "row_start": unit.row_start, "num_rows": unit.num_rows}},
+                        partition_by=spec.output.partition_by, before_publish=lambda: self.crash("mid_write"),
+                        after_publish=lambda: self.crash("after_part"), writer=self.writer, fence=self.fence,
+                        log=self.log)
+                except LockLost as e:       # another run took the lock over: commit nothing more
+                    self._lock_lost(str(e))
+                    continue
                 if marker is None:
                     self.log(f"batchrun: unit {unit.index} was committed by another worker; not counted here")
                     if self.on_commit is not None:
@@ -441,41 +490,9 @@ class JobRunner:
                 self.stop_reason = "writer error"
 
     def _result_table(self, st: _UnitState) -> tuple[pa.Table, dict]:
-        """The output rows of one unit, in input order (DESIGN.md's schema)."""
-        spec, prep, outs = self.spec, st.prep, st.outputs
-        r = prep.rendered
-        n = prep.unit.num_rows
-        tok = self.plan.tokenizer
-        todo = [o for o in outs if o is not None and o.text is None and o.finish_reason != "error"]
-        if todo:
-            texts = tok.decode_batch([o.token_ids for o in todo], skip_special_tokens=self.params.skip_special_tokens)
-            for o, t in zip(todo, texts):
-                o.text = t
-        output, reason, error, ptok, otok = [], [], [], [], []
-        for i in range(n):
-            o = outs[i]
-            if o is None:
-                output.append(None); reason.append("error"); error.append(r.errors[i])
-                ptok.append(0); otok.append(0)
-            elif o.finish_reason == "error":
-                output.append(None); reason.append("error"); error.append(o.error or "error")
-                ptok.append(len(o.prompt_token_ids)); otok.append(0)
-            else:
-                output.append(o.text); reason.append(o.finish_reason); error.append(None)
-                ptok.append(len(o.prompt_token_ids)); otok.append(len(o.token_ids))
-        if spec.input.id_column:
-            ids = prep.table.column(spec.input.id_column)
-        else:
-            ids = pa.array(range(prep.unit.first_row, prep.unit.first_row + n), pa.int64())
-        cols = {"id": ids, "output": pa.array(output, pa.string()), "finish_reason": pa.array(reason, pa.string()),
-                "error": pa.array(error, pa.string()), "prompt_tokens": pa.array(ptok, pa.int32()),
-                "output_tokens": pa.array(otok, pa.int32())}
-        for c in spec.input.passthrough:
-            cols[c] = prep.table.column(c)
-        if spec.output.include_prompt:
-            cols["prompt"] = pa.array(r.prompts, pa.string())
-        stats = {"errors": reason.count("error"), "prompt_tokens": sum(ptok), "output_tokens": sum(otok)}
-        return pa.table(cols), stats
+        """The output rows of one unit, in input order, and its done-marker stats."""
+        return result_table(self.spec, st.prep, st.outputs, st.shared, self.plan.tokenizer,
+                            self.params.skip_special_tokens)
 
     # -- reporting -----------------------------------------------------------------------------
     def _bar(self):
@@ -486,49 +503,32 @@ class JobRunner:
                     mininterval=0.5)
 
     def _progress(self, state: str) -> None:
-        """Rewrite _batchrun/progress.json (read by `batchrun status` from any process)."""
+        """Rewrite _batchrun/progress.json (read by `batchrun status` from any process): the tracker's
+        live numbers (rows finished in the engine, tokens and tok/s over the last minute, ETA) and the
+        units committed. Called by the Publisher thread every few seconds, and once per state change."""
         with self._lock:
             units, rows, otok, fin = (self._committed_units, self._committed_rows, self._committed_out_tokens,
                                       self._finished_rows)
-        elapsed = max(time.time() - self.t_start, 1e-9)
-        rate = fin / self.loop_s if self.loop_s > 0 else 0.0
-        remaining = self.rows_todo - rows
+        now = time.time()
+        snap = self.tracker.snapshot() if self.tracker is not None else {}
         try:
             self.ledger.write_progress({
-                "state": state, "job": self.spec.name, "pid": os.getpid(), "host": socket.gethostname(),
-                "started_at": self.t_start, "updated_at": time.time(), "elapsed_s": elapsed,
+                **snap, "state": state, "job": self.spec.name, "pid": os.getpid(), "host": socket.gethostname(),
+                "started_at": self.t_start, "updated_at": now, "elapsed_s": max(now - self.t_start, 1e-9),
                 "units_total": len(self.plan.units), "units_done": self.units_done_before + units,
+                "units_committed_this_run": units,
                 "rows_total": self.plan.num_rows, "rows_done": self.rows_done_before + rows,
-                "rows_finished_this_run": fin, "output_tokens_this_run": otok,
-                "rows_per_s": rate, "output_tokens_per_s": otok / elapsed,
-                "eta_s": remaining / rate if rate > 0 and state == "running" else None,
+                "rows_finished": self.rows_done_before + max(fin, rows), "rows_finished_this_run": fin,
+                "output_tokens_this_run": otok,
+                "eta_s": snap.get("eta_s") if state == "running" else None,
                 "engine_busy_fraction": self.engine_s / self.loop_s if self.loop_s > 0 else None,
-                "interval_s": PROGRESS_INTERVAL_S})
+                "dedupe": self.deduper.stats() if self.deduper is not None else None,
+                "interval_s": progress_interval()})
         except Exception as e:   # noqa: BLE001 - progress is advisory; never fail the job for it
             self.log(f"batchrun: could not write progress: {e}")
 
     def _summary(self) -> dict:
-        markers = self.ledger.done_markers()
-        wall = time.time() - self.t_start
-        rows_run = self._committed_rows
-        st = self.stats
-        return {
-            "ok": True, "job": self.spec.name, "state": "finished", "output": self.sink.url,
-            "units": len(self.plan.units), "units_committed": self._committed_units,
-            "units_skipped": self.units_done_before,
-            "rows": sum(int(m.get("rows", 0)) for m in markers.values()),
-            "error_rows": sum(int(m.get("errors", 0)) for m in markers.values()),
-            "prompt_tokens": sum(int(m.get("prompt_tokens", 0)) for m in markers.values()),
-            "output_tokens": sum(int(m.get("output_tokens", 0)) for m in markers.values()),
-            "rows_this_run": rows_run, "wall_s": round(wall, 3),
-            "rows_per_s": round(rows_run / wall, 2) if wall > 0 else None,
-            "output_tokens_per_s": round(self._committed_out_tokens / wall, 2) if wall > 0 else None,
-            "engine_loop_s": round(self.loop_s, 3), "engine_step_s": round(self.engine_s, 3),
-            "engine_busy_fraction": round(self.engine_s / self.loop_s, 4) if self.loop_s > 0 else None,
-            "engine": {k: st[k] for k in SUMMARY_ENGINE_STATS if k in st},
-            "memory_ledger": self.memory_ledger, "peak_rss_bytes": _peak_rss(),
-            "fingerprint": fingerprint_hash(self.plan.fingerprint),
-        }
+        return job_summary(self)
 
 
 def run_job(spec: JobSpec, restart: bool = False, progress_bar: bool = True) -> dict:

@@ -22,7 +22,7 @@ from batchrun.engine.config import EngineConfig
 from batchrun.outputs import SamplingParams
 
 
-OUTPUT_COLUMNS = ("id", "output", "finish_reason", "error", "prompt_tokens", "output_tokens", "prompt")
+OUTPUT_COLUMNS = ("id", "output", "finish_reason", "error", "prompt_tokens", "output_tokens", "shared", "prompt")
 
 
 class JobError(ValueError):
@@ -159,6 +159,8 @@ class JobSpec(_Strict):
     engine: EngineSpec = Field(default_factory=EngineSpec)            # type: ignore[valid-type]
     plan: PlanSpec = Field(default_factory=PlanSpec)
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    # identical rows (same prompt token ids, same deterministic sampling) computed once (job/dedupe.py)
+    dedupe: bool = True
 
     @field_validator("name")
     @classmethod

@@ -21,16 +21,48 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in float32, round to the input dtype, then scale."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [T, heads, D]; cos/sin: [T, 1, D/2] — rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# The dense parts of a layer as free functions of tensors: one compiled graph serves every layer (a
+# compiled nn.Module method would be guarded on each module and recompiled per layer). The paged
+# attention between them stays eager: it reads host-side metadata and is its own kernel.
+def pre_attention(h: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
+                  q_norm_w: Optional[torch.Tensor], k_norm_w: Optional[torch.Tensor], cos: torch.Tensor,
+                  sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
+    """input norm -> fused qkv projection -> (Qwen3 q/k norm) -> RoPE; returns q [T, Hq, D], k, v [T, Hkv, D]."""
+    T = h.shape[0]
+    x = rms_norm(h, ln_w, eps)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = nn.functional.linear(x, qkv_w, qkv_b).split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(T, num_heads, head_dim)
+    k = k.view(T, num_kv_heads, head_dim)
+    v = v.view(T, num_kv_heads, head_dim)
+    if q_norm_w is not None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def post_attention(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, ln_w: torch.Tensor,
+                   gate_up_w: torch.Tensor, down_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """o_proj + residual -> post-attention norm -> SwiGLU MLP + residual; returns the layer's output."""
+    h = h + nn.functional.linear(o.flatten(1), o_w)
+    gate, up = nn.functional.linear(rms_norm(h, ln_w, eps), gate_up_w).chunk(2, dim=-1)
+    return h + nn.functional.linear(nn.functional.silu(gate) * up, down_w)
 
 
 class Attention(nn.Module):
@@ -53,20 +85,14 @@ class Attention(nn.Module):
         uses_window = arch == "mistral" or bool(cfg.get("use_sliding_window", False))
         self.sliding_window: Optional[int] = window if uses_window and window else None
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                meta: AttentionMetadata, backend) -> torch.Tensor:
-        T = h.shape[0]
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)             # [T, Hq, D]
-        k = k.view(T, self.num_kv_heads, self.head_dim)          # [T, Hkv, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def qkv_args(self):
+        return (self.qkv_proj.weight, self.qkv_proj.bias,
+                self.q_norm.weight if self.qk_norm else None, self.k_norm.weight if self.qk_norm else None)
+
+    def attend(self, q, k, v, kv: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
         k_cache, v_cache = kv[0], kv[1]                          # [N, bs, Hkv, D]
         backend.store_kv(k, v, k_cache, v_cache, meta)
-        o = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, self.q_size))
+        return backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, Hq, D]
 
 
 class MLP(nn.Module):
@@ -89,9 +115,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, kv, meta, backend):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, kv, meta, backend, pre=pre_attention, post=post_attention):
+        a = self.self_attn
+        q, k, v = pre(h, self.input_layernorm.weight, *a.qkv_args(), cos, sin, self.input_layernorm.eps,
+                      a.num_heads, a.num_kv_heads, a.head_dim)
+        o = a.attend(q, k, v, kv, meta, backend)
+        return post(o, h, a.o_proj.weight, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight,
+                    self.mlp.down_proj.weight, self.post_attention_layernorm.eps)
 
 
 class LlamaModel(nn.Module):
@@ -129,11 +159,23 @@ class LlamaModel(nn.Module):
         # input_ids, positions: [T]; kv_caches: [L, 2, N, bs, Hkv, D] -> hidden [T, H]
         h = self.embed_tokens(input_ids)
         cos, sin = self.cos_sin[positions].to(h.dtype).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+        pre, post = self.dense_fns
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_caches[i], meta, backend)
+            h = layer(h, cos, sin, kv_caches[i], meta, backend, pre, post)
         return self.norm(h)
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        # h: [S, H] -> [S, V] float32
+    @property
+    def dense_fns(self):
+        return getattr(self, "_dense_fns", None) or (pre_attention, post_attention)
+
+    def compile_dense(self, **compile_kwargs) -> None:
+        """torch.compile the dense parts of every layer (norms, projections, RoPE, MLP) with a dynamic token
+        count. Compilation happens on first use; attention stays eager."""
+        self._dense_fns = (torch.compile(pre_attention, dynamic=True, **compile_kwargs),
+                           torch.compile(post_attention, dynamic=True, **compile_kwargs))
+
+    def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        # h: [S, H] -> [S, V] float32 (the model's dtype with upcast=False: enough for an argmax)
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(h, w).float()
+        logits = torch.nn.functional.linear(h, w)
+        return logits.float() if upcast else logits

@@ -1,0 +1,176 @@
+"""Committing one unit: its part file created create-only, then its done marker created create-only.
+
+The part file's name is fixed (`part-<k>.parquet`), so `read_parquet('<output>/*.parquet')` can never
+see two copies of a unit; creating it create-only (S3 `If-None-Match: *`, local link()) makes its
+creator the only worker that may write the unit's marker. So a marker always describes the part file
+next to it: a second worker on the same unit finds the part there and does not overwrite it (before,
+its PUT could replace the first worker's file between its marker check and its PUT, leaving the
+first worker's marker describing the second worker's bytes).
+
+A part that exists without a marker was either published a moment ago by a live worker that is about
+to write the marker, or left by a worker that died in between. It is replaced only when the job's lock
+proves its writer gone (may_replace, below): every part carries its writer in its Parquet metadata
+(`batchrun.writer`: the run's lock token, pid, host, process space), and
+
+  * the lock must be ours (or our Ray driver's) now, read from the store, else we are the one that is
+    gone: LockLost, nothing written;
+  * a writer of another run (another lock token) lost the lock, which is only taken over from a dead
+    or silent holder, and a holder that finds its lock gone writes nothing more (the same check runs
+    before each part and each marker) -> replace;
+  * our own process (an earlier attempt at the same unit) -> replace;
+  * another process of this run on this machine (a Ray replica): replace once its pid is gone;
+    while it lives, wait for its marker (up to the lock's staleness limit);
+  * another process of this run elsewhere (a Ray replica on another node): the driver hands a unit to
+    a second replica only after the first one died -> replace.
+
+Stores without conditional writes (fsspec's generic mode="create" is a check, then a write) narrow the
+race to the moment between that check and the write, but do not close it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import pyarrow as pa
+
+from batchrun.connectors.sink import Committed, partition_dir, part_name
+from batchrun.job.lock import LOCK, pid_alive, pid_start, process_space
+
+WRITER_KEY = "batchrun.writer"
+
+
+class LockLost(Exception):
+    """This worker's run no longer holds the job lock: it must not publish or commit anything."""
+
+
+def writer_identity(token: Optional[str]) -> dict[str, Any]:
+    me = os.getpid()
+    return {"token": token, "pid": me, "host": socket.gethostname(), "process_space": process_space(),
+            "pid_start": pid_start(me)}
+
+
+def lock_fence(lock, token: Optional[str]) -> Callable[[], None]:
+    """A check that raises LockLost unless `lock` (a JobLock) names `token` right now."""
+    def fence() -> None:
+        if token is None:
+            return
+        held = lock.read()
+        if held is None:        # a contender may have it renamed aside for a moment (lock.py): look again
+            time.sleep(0.2)
+            held = lock.read()
+        if held is None or held.get("token") != token:
+            raise LockLost(f"{lock.url} is no longer held by this run (taken over after its heartbeat went "
+                           "silent, or removed); committing nothing more")
+    return fence
+
+
+def _gone(w: dict[str, Any], me: dict[str, Any]) -> Optional[bool]:
+    """True: the writer `w` of a marker-less part is provably not writing any more; None: it may be."""
+    if not w or w.get("token") != me.get("token"):
+        return True                  # another run's, or from before writers were recorded
+    if w.get("process_space") == me["process_space"]:
+        pid = w.get("pid")
+        if pid == me["pid"] and w.get("pid_start") == me["pid_start"]:
+            return True              # our own earlier attempt
+        if not isinstance(pid, int) or not pid_alive(pid):
+            return True
+        start = pid_start(pid)
+        return True if (w.get("pid_start") and start and start != w["pid_start"]) else None
+    return True                      # a replica elsewhere: its unit is reassigned only after it died
+
+
+def commit_unit(ledger, unit: int, table: pa.Table, metadata: dict[str, Any], marker: dict,
+                partition_by: Sequence[str] = (), writer: Optional[dict] = None,
+                fence: Callable[[], None] = lambda: None, wait_s: float = 60.0,
+                before_publish: Optional[Callable[[], None]] = None,
+                after_publish: Optional[Callable[[], None]] = None,
+                log: Callable[[str], None] = lambda m: None) -> Optional[dict]:
+    """Publish a unit's part file(s) and then its done marker. Returns the marker, or None when another
+    worker committed the unit (nothing here may count it). Raises LockLost (see the module docstring).
+    The first file (in row order) is the claim: created create-only; the unit's other partition files
+    are written only by the claim's owner."""
+    sink = ledger.sink
+    if ledger.is_done(unit):
+        return None
+    writer = writer or writer_identity(None)
+    meta = {**metadata, WRITER_KEY: json.dumps(writer, sort_keys=True)}
+    files = _encode(sink, unit, table, meta, list(partition_by))
+    fence()
+    claim, data = files[0]
+    if not _fenced(fence, lambda: sink.put_new(claim, data, before_publish)):
+        if not _take_over(ledger, unit, claim, writer, fence, wait_s, log):
+            return None
+        fence()
+        sink.publish(claim, data)
+    done = [Committed(sink.path(claim), len(data), _sha(data), claim)]
+    done += [sink.publish(name, data) for name, data in files[1:]]
+    if after_publish:
+        after_publish()
+    m = {**marker, "unit": unit, "bytes": sum(c.bytes for c in done),
+         "files": [{"name": c.name, "bytes": c.bytes, "sha256": c.sha256} for c in done]}
+    if not partition_by:
+        m.update(file=done[0].name, sha256=done[0].sha256)
+    fence()
+    return m if _fenced(fence, lambda: ledger.mark_done(unit, m)) else None
+
+
+def _fenced(fence, create):
+    """create(); a temp file of ours removed under it means another run opened the ledger (it empties
+    `_batchrun/tmp/`), so the lock is checked before the error is passed on."""
+    try:
+        return create()
+    except FileNotFoundError:
+        fence()
+        raise
+
+
+def _take_over(ledger, unit: int, name: str, me: dict, fence, wait_s: float, log) -> bool:
+    """The claim `name` exists: False if the unit is (or becomes) committed by its writer; True once the
+    marker-less part is proven abandoned (the caller replaces it)."""
+    deadline = time.time() + wait_s
+    while True:
+        if ledger.is_done(unit):
+            return False
+        fence()
+        w = _writer_of(ledger.sink, name)
+        if _gone(w, me):
+            log(f"batchrun: unit {unit}: replacing {name}, published without a done marker by a writer that "
+                f"is gone (pid {w.get('pid')} on {w.get('host')})")
+            return True
+        if time.time() > deadline:
+            raise RuntimeError(f"{ledger.sink.url}/{name}: published by live process {w.get('pid')} on "
+                               f"{w.get('host')}, whose done marker has not appeared for {wait_s:.0f}s")
+        time.sleep(0.2)
+
+
+def _writer_of(sink, name: str) -> dict:
+    raw = sink.part_metadata(name).get(WRITER_KEY)
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+
+
+def _encode(sink, unit: int, table: pa.Table, meta: dict, partition_by: list[str]) -> list[tuple[str, bytes]]:
+    """[(name, bytes)] of the unit's files, the claim first."""
+    if not partition_by:
+        return [(part_name(unit), sink.encode(table, meta))]
+    keys = list(zip(*(table.column(c).to_pylist() for c in partition_by)))
+    groups: dict[tuple, list[int]] = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    rest = table.drop_columns(partition_by)
+    return [(f"{partition_dir(partition_by, k)}/{part_name(unit)}",
+             sink.encode(rest.take(pa.array(rows, pa.int64())), meta))
+            for k, rows in sorted(groups.items(), key=lambda kv: kv[1][0])]
+
+
+def _sha(data: bytes) -> str:
+    import hashlib
+    return hashlib.sha256(data).hexdigest()
+
+
+__all__ = ["commit_unit", "LockLost", "lock_fence", "writer_identity", "WRITER_KEY", "LOCK"]

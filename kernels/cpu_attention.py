@@ -1,0 +1,197 @@
+"""Paged attention on CPU that reads K/V blocks where they lie: a small torch C++ op, built at first use.
+
+paged_attention(q [T, Hq, D], k_cache, v_cache [N, bs, Hkv, D], query_start_loc [B+1] int32, seq_lens [B] int32,
+block_tables [B, max_blocks] int32, scale, sliding_window) -> [T, Hq, D]. Sequence b's queries are rows
+query_start_loc[b]:query_start_loc[b+1] of q, the last qlen positions of its seq_lens[b]-token context
+(causal offset seq_lens[b] - qlen); GQA when Hq is a multiple of Hkv; optional sliding window; float
+accumulation and online softmax; cost follows the sum of the contexts, and no K/V is copied.
+paged_attention_ref is the same contract in plain torch (gather, mask, softmax), the op's reference.
+
+The source (csrc/cpu_attention.cpp) is compiled once per machine with torch.utils.cpp_extension and cached
+under $BATCHRUN_EXTENSIONS_DIR, else $XDG_CACHE_HOME/batchrun/torch_extensions, else
+~/.cache/batchrun/torch_extensions, in a folder keyed by the source, the flags, torch and Python. The build
+is portable (no -march=native: the kernel is compiled for AVX-512, AVX2 and the baseline and picks one at run
+time), so a cache that moves to another machine stays valid. Concurrent first uses (pytest and a job, Ray
+actors) build once: builders serialise on a file lock that dies with its process. If the op cannot be
+built or loaded, load() logs one warning and returns False, and callers keep their torch path.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAME = "batchrun_cpu_attention"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_attention.cpp"
+# -O2: the hot loops use explicit vector types, so -O3 buys nothing here but triples the build time.
+# No -march: the source compiles its kernel for several ISAs and picks one at run time. Threads come from
+# torch's own pool (stable parallel_for), so no OpenMP flags.
+_CFLAGS = ["-O2", "-Wno-psabi"]
+_LDFLAGS: list = []
+ISAS = {0: "baseline", 1: "avx2", 2: "avx512"}
+
+_lock = threading.Lock()
+_state: dict = {"tried": False, "ok": False, "error": None, "build_s": None, "path": None}
+
+
+def cache_root() -> Path:
+    env = os.environ.get("BATCHRUN_EXTENSIONS_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "batchrun" / "torch_extensions"
+
+
+def build_dir() -> Path:
+    """This build's folder: keyed by everything that makes the binary (source, flags, torch, Python, ABI)."""
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    for part in (_CFLAGS, _LDFLAGS, torch.__version__, torch.compiled_with_cxx11_abi(), sys.version_info[:2],
+                 platform.machine(), sys.platform):
+        h.update(repr(part).encode())
+    return cache_root() / f"{NAME}-{h.hexdigest()[:16]}"
+
+
+def _library_file(d: Path) -> Path:
+    return d / (f"{NAME}.pyd" if sys.platform == "win32" else f"{NAME}.so")
+
+
+def _build(d: Path) -> None:
+    from torch.utils import cpp_extension
+    d.mkdir(parents=True, exist_ok=True)
+    done = d / "built"
+    lock_file = None
+    try:
+        try:
+            import fcntl
+            lock_file = open(d / "build.flock", "w")
+            fcntl.flock(lock_file, fcntl.LOCK_EX)      # released by the OS if this process dies mid-build
+            # torch's own baton file is left behind by a killed builder and would make every later build
+            # wait forever; holding the flock, nobody else is building, so one found now is stale
+            stale = d / "lock"
+            if stale.exists():
+                stale.unlink()
+        except ImportError:                            # no fcntl (Windows): torch's baton alone
+            pass
+        if done.exists():                              # built by another process while we waited
+            torch.ops.load_library(str(_library_file(d)))
+            return
+        t0 = time.perf_counter()
+        log.info("building the CPU attention op in %s (once per machine)", d)
+        cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                           build_directory=str(d), is_python_module=False, verbose=False)
+        _state["build_s"] = time.perf_counter() - t0
+        log.info("built the CPU attention op in %.1f s", _state["build_s"])
+        done.write_text(f"{torch.__version__}\n")
+    finally:
+        if lock_file is not None:
+            lock_file.close()
+
+
+def load() -> bool:
+    """Build (first use on this machine) and load the op; False, after one warning, if that fails."""
+    with _lock:
+        if _state["tried"]:
+            return _state["ok"]
+        _state["tried"] = True
+        try:
+            d = build_dir()
+            _state["path"] = str(_library_file(d))
+            if (d / "built").exists():
+                torch.ops.load_library(str(_library_file(d)))
+            else:
+                _build(d)
+            torch.ops.batchrun_cpu.paged_attention      # registered?
+            _register_fake()
+            _state["ok"] = True
+        except Exception as e:                          # no compiler, no ninja, a compile error...
+            msg = " ".join(str(e).split())
+            _state["error"] = f"{type(e).__name__}: {msg[:300]}"
+            log.warning("batchrun: CPU attention op unavailable (%s); using the slower torch attention path",
+                        _state["error"])
+        return _state["ok"]
+
+
+def status() -> dict:
+    """What load() did: tried, ok, error, build_s (None unless this process built it), path."""
+    return dict(_state)
+
+
+def _register_fake() -> None:
+    # shape functions, so torch.compile can trace through a graph that calls the ops
+    try:
+        @torch.library.register_fake("batchrun_cpu::paged_attention")
+        def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, isa=-1):
+            return q.new_empty(q.shape)
+
+        @torch.library.register_fake("batchrun_cpu::store_kv")
+        def _(k, v, k_cache, v_cache, slot_mapping):
+            return None
+    except Exception:                                   # already registered (a second load), or an old torch
+        pass
+
+
+def cpu_isa() -> str:
+    """The instruction set the op runs with on this machine: avx512, avx2 or baseline."""
+    if not load():
+        raise RuntimeError(f"CPU attention op unavailable: {_state['error']}")
+    return ISAS[int(torch.ops.batchrun_cpu.cpu_isa())]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    sliding_window: Optional[int] = None, *, isa: Optional[str] = None) -> torch.Tensor:
+    """The compiled op (see the module docstring). isa: force a lower instruction set (tests); None = best."""
+    if not load():
+        raise RuntimeError(f"CPU attention op unavailable: {_state['error']}")
+    level = -1 if isa is None else {v: k for k, v in ISAS.items()}[isa]
+    return torch.ops.batchrun_cpu.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                                  float(scale), -1 if sliding_window is None else int(sliding_window),
+                                                  level)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] into k_cache, v_cache [N, bs, Hkv, D] at slot_mapping [T] int64 (block * bs + offset;
+    negative: padding, skipped), in one call; k and v may be strided views (of the qkv projection)."""
+    if not load():
+        raise RuntimeError(f"CPU attention op unavailable: {_state['error']}")
+    torch.ops.batchrun_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                        scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
+    """paged_attention in plain torch, one sequence at a time: gather its blocks, mask, float softmax."""
+    T, Hq, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros_like(q)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, ctx in enumerate(lens):
+        start, end = qsl[b], qsl[b + 1]
+        ql = end - start
+        if ql == 0:
+            continue
+        blocks = block_tables[b, :-(-ctx // bs)].long()
+        k = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(Hq // Hkv, 1)   # [ctx, Hq, D]
+        v = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(Hq // Hkv, 1)
+        s = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        qpos = torch.arange(ctx - ql, ctx)[:, None]
+        kpos = torch.arange(ctx)[None, :]
+        visible = kpos <= qpos
+        if sliding_window is not None:
+            visible &= qpos - kpos < sliding_window
+        s = s.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,766 @@
+// Paged attention on CPU that reads K/V blocks in place (batchrun.kernels.cpu_attention builds and loads this).
+//
+// batchrun_cpu::paged_attention(q [T, Hq, D], k_cache, v_cache [N, bs, Hkv, D], query_start_loc [B+1] int32,
+//                           seq_lens [B] int32, block_tables [B, W] int32, scale, sliding_window, isa) -> [T, Hq, D]
+//
+// Sequence b's queries are rows query_start_loc[b] .. query_start_loc[b+1] of q, the last qlen positions of
+// its context of seq_lens[b] tokens (query t sits at seq_lens[b] - qlen + t). Causal, GQA, optional sliding
+// window (a query at p sees keys j with p - window < j <= p), online softmax in float.
+//
+// Work is split into groups (sequence, KV head, chunk of query tokens); all query heads of a group share each
+// K/V read, and K/V rows are converted to float a tile of 16 keys at a time, the next tile prefetched into L2.
+// A group whose key span is long while the batch has too few groups to keep the threads busy is split into
+// partitions whose partial results are merged afterwards (flash-decoding). Threads (torch's pool) take work
+// items longest first from a shared counter. The hot loops use GCC/Clang vector extensions (16 floats),
+// and the kernel is compiled for AVX-512, AVX2+FMA and the baseline ISA through function target attributes
+// and picked at run time, so one build is portable across x86-64 machines (no -march=native).
+//
+// Built against torch's stable C++ API (torch >= 2.10): its headers are small, so the one-time build is quick.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+#if defined(__GNUC__) || defined(__clang__)
+#define BR_INLINE inline __attribute__((always_inline))
+#define BR_RESTRICT __restrict__
+#else
+#define BR_INLINE inline
+#define BR_RESTRICT
+#endif
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#define BR_X86_DISPATCH 1
+#endif
+
+constexpr int PAD = 16;        // head_dim and query rows are padded to a multiple of this in the scratch
+constexpr int TK = 16;         // keys per tile
+constexpr int JB = 4;          // keys scored together (independent accumulator chains)
+constexpr int SMALL_R = 8;     // fewer query rows per group than this: per-key dot products
+constexpr int MAX_ROWS = 64;   // query rows (tokens x group size) per group, unless one token's group is larger
+constexpr int PART_KEYS = 512; // shortest key span worth a partition of its own
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+struct Group {
+  int b, h, t0, t1, lo, hi;  // sequence, KV head, query tokens [t0, t1) of the sequence, keys [lo, hi)
+  int first_item, nparts, slot;  // slot: first partial-result slot when nparts > 1
+};
+
+struct Item {
+  int group, k0, k1, slot;  // keys [k0, k1); slot < 0: write the output directly
+  int64_t cost;
+};
+
+struct Params {
+  const void* q;
+  int64_t qs0, qs1;
+  const void* k;
+  const void* v;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  void* out;
+  int64_t os0, os1;
+  const int32_t* qsl;
+  const int32_t* lens;
+  const int32_t* bt;
+  int64_t bts0;
+  int64_t nblocks;
+  int bs, G, D;
+  float scale;
+  int window;  // a huge value when there is no window
+  const Group* groups;
+  const Item* items;
+  int nitems;
+  int max_rows;
+  float* part_stats;  // [slots, max_rows, 2]: running max, sum
+  float* part_acc;    // [slots, max_rows, D]
+};
+
+// ---- element conversions ----
+BR_INLINE float to_f(float x) { return x; }
+BR_INLINE float to_f(c10::BFloat16 x) {
+  uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+BR_INLINE float to_f(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+BR_INLINE void load_row(const T* BR_RESTRICT src, float* BR_RESTRICT dst, int D) {
+  for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
+}
+template <typename T>
+BR_INLINE void store_row(const float* BR_RESTRICT src, float mul, T* BR_RESTRICT dst, int D) {
+  for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * mul);
+}
+
+// ---- vectors: GCC/Clang vector extensions of V floats, V = 16 (AVX-512: one zmm), 8 (AVX2: one ymm) or 4
+// (SSE, NEON): one register each, so the accumulators below stay in registers on every ISA ----
+template <int V>
+struct VT {
+  typedef float f __attribute__((vector_size(4 * V)));
+  typedef int32_t i __attribute__((vector_size(4 * V)));
+};
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef float vf2 __attribute__((vector_size(8)));
+
+template <int V>
+BR_INLINE typename VT<V>::f vload(const float* p) {
+  typename VT<V>::f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <int V>
+BR_INLINE void vstore(float* p, typename VT<V>::f v) { std::memcpy(p, &v, sizeof v); }
+template <int V>
+BR_INLINE typename VT<V>::f vsplat(float x) { return typename VT<V>::f{} + x; }
+template <int V>
+BR_INLINE typename VT<V>::f vmax(typename VT<V>::f a, typename VT<V>::f b) { return a > b ? a : b; }
+
+BR_INLINE float hsum4(vf4 b) {
+  const vf4 c = b + __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  return c[0] + c[1];
+}
+template <int V>
+BR_INLINE float hsum(typename VT<V>::f v) {
+  if constexpr (V == 16) {
+    const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return hsum4(__builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7));
+  } else if constexpr (V == 8) {
+    return hsum4(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+  } else {
+    return hsum4(v);
+  }
+}
+
+// exp(x) for x <= 0 (a score less the running max): 2^(x log2 e) = 2^n 2^f, |f| <= 1/2, degree-7 Taylor
+// polynomial for 2^f (truncation error < 1e-8 relative). Exactly 0 below -87, so for -inf (masked keys).
+template <int V>
+BR_INLINE typename VT<V>::f vexp_nonpos(typename VT<V>::f x) {
+  typedef typename VT<V>::f F;
+  typedef typename VT<V>::i I;
+  const F lim = vsplat<V>(-87.0f);
+  const F xc = x < lim ? lim : x;
+  const F y = xc * 1.44269504088896341f;
+  const F n = (y + 12582912.0f) - 12582912.0f;  // round to nearest (no -ffast-math, so not folded)
+  const F f = y - n;
+  F p = vsplat<V>(1.5252733804059841e-05f);
+  p = p * f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910072e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  const I bits = reinterpret_cast<const I&>(p) + (__builtin_convertvector(n, I) << 23);
+  const F r = reinterpret_cast<const F&>(bits);
+  return x < lim ? F{} : r;
+}
+
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// Floats of per-thread scratch for a group of `rows` query rows (rows and head_dim padded to multiples of 16).
+inline size_t scratch_floats(int rows, int D) {
+  const size_t RP = round_up(rows, PAD), DP = round_up(D, PAD);
+  return RP * DP + 2 * TK * DP + TK * RP + 4 * RP + RP * DP;
+}
+
+// acc rows [r0, r0 + NR) = acc * alpha + p @ v over a tile, for vectors [c0, c0 + CV) of each row, in registers
+template <int V, int NR, int CV>
+BR_INLINE void pv_block(float* BR_RESTRICT acc, int DP, int r0, int c0, const float* BR_RESTRICT alpha,
+                        const float* BR_RESTRICT s, int RP, const float* BR_RESTRICT vf) {
+  typedef typename VT<V>::f F;
+  F a[NR][CV];
+  for (int x = 0; x < NR; ++x) {
+    const F al = vsplat<V>(alpha[r0 + x]);
+    for (int c = 0; c < CV; ++c) a[x][c] = vload<V>(acc + (r0 + x) * DP + (c0 + c) * V) * al;
+  }
+  for (int j = 0; j < TK; ++j) {
+    float p[NR];
+    for (int x = 0; x < NR; ++x) p[x] = s[j * RP + r0 + x];
+    for (int c = 0; c < CV; ++c) {
+      const F v = vload<V>(vf + j * DP + (c0 + c) * V);
+      for (int x = 0; x < NR; ++x) a[x][c] += p[x] * v;
+    }
+  }
+  for (int x = 0; x < NR; ++x)
+    for (int c = 0; c < CV; ++c) vstore<V>(acc + (r0 + x) * DP + (c0 + c) * V, a[x][c]);
+}
+
+// One work item: query rows (tokens t0..t1 x the G query heads of KV head h) against keys [k0, k1).
+// T: storage type; DT: head_dim when specialised (64, 128), else 0; V: floats per vector register.
+template <typename T, int DT, int V>
+BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) {
+  typedef typename VT<V>::f F;
+  const Group& g = P.groups[it.group];
+  const int D = DT > 0 ? DT : P.D;
+  const int DP = DT > 0 ? DT : round_up(P.D, PAD);  // DT is 64 or 128: already a multiple of 16
+  const int NV = DP / V;
+  const int G = P.G, b = g.b, h = g.h;
+  const int qbeg = P.qsl[b], qlen = P.qsl[b + 1] - qbeg, ctx = P.lens[b];
+  const int R = (g.t1 - g.t0) * G;
+  const int RP = round_up(R, PAD);
+  const bool small = R < SMALL_R;
+
+  float* BR_RESTRICT qs = ws;             // small: [R][DP]; else transposed [D][RP]
+  float* BR_RESTRICT kf = qs + RP * DP;   // [TK][DP]
+  float* BR_RESTRICT vf = kf + TK * DP;   // [TK][DP]
+  float* BR_RESTRICT s = vf + TK * DP;    // [TK][RP]: scores, then probabilities
+  float* BR_RESTRICT m = s + TK * RP;     // [RP] running max
+  float* BR_RESTRICT l = m + RP;          // [RP] running sum
+  float* BR_RESTRICT alpha = l + RP;      // [RP]
+  float* BR_RESTRICT posf = alpha + RP;   // [RP] query positions (exact in float below 2^24)
+  float* BR_RESTRICT acc = posf + RP;     // [RP][DP]
+
+  const T* q = static_cast<const T*>(P.q);
+  const T* kc = static_cast<const T*>(P.k);
+  const T* vc = static_cast<const T*>(P.v);
+  const float scale = P.scale;
+
+  // this group's queries, scaled, as float; pad rows and columns are zeros
+  std::fill(qs, qs + static_cast<size_t>(RP) * DP, 0.0f);
+  std::fill(acc, acc + static_cast<size_t>(RP) * DP, 0.0f);
+  std::fill(s, s + TK * RP, 0.0f);
+  if (DP != D) {
+    std::fill(kf, kf + TK * DP, 0.0f);
+    std::fill(vf, vf + TK * DP, 0.0f);
+  }
+  int min_pos = 0, max_pos = 0;
+  for (int r = 0; r < RP; ++r) {
+    const int rr = r < R ? r : R - 1;
+    const int t = g.t0 + rr / G, hq = h * G + rr % G;
+    const int pos = ctx - qlen + t;
+    posf[r] = static_cast<float>(pos);
+    m[r] = NEG_INF;
+    l[r] = 0.0f;
+    if (r == 0) min_pos = pos;
+    if (r < R) max_pos = pos;
+    if (r >= R) continue;
+    const T* qp = q + static_cast<int64_t>(qbeg + t) * P.qs0 + static_cast<int64_t>(hq) * P.qs1;
+    if (small) {
+      for (int d = 0; d < D; ++d) qs[r * DP + d] = to_f(qp[d]) * scale;
+    } else {
+      for (int d = 0; d < D; ++d) qs[d * RP + r] = to_f(qp[d]) * scale;
+    }
+  }
+
+  const int32_t* table = P.bt + static_cast<int64_t>(b) * P.bts0;
+  const int bs = P.bs;
+  const int window = P.window;
+  const int64_t koff = static_cast<int64_t>(h) * P.ks2, voff = static_cast<int64_t>(h) * P.vs2;
+
+  // row pointers of a tile's keys and values; the next tile's are found, and prefetched into L2 (a hint
+  // to L1 measured slower: it ties up the line-fill buffers), a tile ahead
+  const T* kp[2][TK];
+  const T* vp[2][TK];
+  auto locate = [&](int k0, int n, const T** kr, const T** vr) {
+    int bi = k0 / bs, off = k0 - bi * bs;
+    int64_t blk = table[bi];  // block ids were checked against the cache size before the parallel region
+    for (int j = 0; j < n; ++j, ++off) {
+      if (off == bs) {
+        blk = table[++bi];
+        off = 0;
+      }
+      kr[j] = kc + blk * P.ks0 + off * P.ks1 + koff;
+      vr[j] = vc + blk * P.vs0 + off * P.vs1 + voff;
+    }
+  };
+  const int row_bytes = D * static_cast<int>(sizeof(T));
+  if (it.k0 < it.k1) locate(it.k0, std::min(TK, it.k1 - it.k0), kp[0], vp[0]);
+  int cur = 0;
+  for (int k0 = it.k0; k0 < it.k1; k0 += TK, cur ^= 1) {
+    const int n = std::min(TK, it.k1 - k0);
+    if (k0 + TK < it.k1) {
+      const int nn = std::min(TK, it.k1 - k0 - TK);
+      locate(k0 + TK, nn, kp[cur ^ 1], vp[cur ^ 1]);
+      for (int j = 0; j < nn; ++j)
+        for (int c = 0; c < row_bytes; c += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kp[cur ^ 1][j]) + c, 0, 1);
+          __builtin_prefetch(reinterpret_cast<const char*>(vp[cur ^ 1][j]) + c, 0, 1);
+        }
+    }
+    // the tile's keys and values, read in place from their blocks, as float
+    for (int j = 0; j < n; ++j) {
+      load_row(kp[cur][j], kf + j * DP, D);
+      load_row(vp[cur][j], vf + j * DP, D);
+    }
+    for (int j = n; j < TK; ++j) {  // a short last tile: zeros, masked below
+      std::fill(kf + j * DP, kf + (j + 1) * DP, 0.0f);
+      std::fill(vf + j * DP, vf + (j + 1) * DP, 0.0f);
+    }
+
+    // scores s[j][r] = q_r . k_j (q is scaled)
+    if (small) {  // few rows (decode): dot products, one horizontal sum each
+      for (int j = 0; j < TK; ++j) {
+        const float* kj = kf + j * DP;
+        for (int r = 0; r < R; ++r) {
+          const float* qr = qs + r * DP;
+          F a = vload<V>(qr) * vload<V>(kj);
+          for (int c = 1; c < NV; ++c) a += vload<V>(qr + c * V) * vload<V>(kj + c * V);
+          s[j * RP + r] = hsum<V>(a);
+        }
+      }
+    } else {  // rows across the vector lanes, no horizontal sums; two row blocks share each key broadcast
+      int rb = 0;
+      for (; rb + 2 * V <= RP; rb += 2 * V) {
+        for (int jb = 0; jb < TK; jb += JB) {
+          const float* k0p = kf + jb * DP;
+          F a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
+          for (int d = 0; d < D; ++d) {
+            const F qa = vload<V>(qs + d * RP + rb), qb = vload<V>(qs + d * RP + rb + V);
+            const float x0 = k0p[d], x1 = k0p[DP + d], x2 = k0p[2 * DP + d], x3 = k0p[3 * DP + d];
+            a0 += x0 * qa;
+            b0 += x0 * qb;
+            a1 += x1 * qa;
+            b1 += x1 * qb;
+            a2 += x2 * qa;
+            b2 += x2 * qb;
+            a3 += x3 * qa;
+            b3 += x3 * qb;
+          }
+          float* sp = s + jb * RP + rb;
+          vstore<V>(sp, a0);
+          vstore<V>(sp + V, b0);
+          vstore<V>(sp + RP, a1);
+          vstore<V>(sp + RP + V, b1);
+          vstore<V>(sp + 2 * RP, a2);
+          vstore<V>(sp + 2 * RP + V, b2);
+          vstore<V>(sp + 3 * RP, a3);
+          vstore<V>(sp + 3 * RP + V, b3);
+        }
+      }
+      for (; rb < RP; rb += V) {
+        for (int jb = 0; jb < TK; jb += JB) {
+          const float* k0p = kf + jb * DP;
+          F a0{}, a1{}, a2{}, a3{};
+          for (int d = 0; d < D; ++d) {
+            const F qv = vload<V>(qs + d * RP + rb);
+            a0 += k0p[d] * qv;
+            a1 += k0p[DP + d] * qv;
+            a2 += k0p[2 * DP + d] * qv;
+            a3 += k0p[3 * DP + d] * qv;
+          }
+          vstore<V>(s + (jb + 0) * RP + rb, a0);
+          vstore<V>(s + (jb + 1) * RP + rb, a1);
+          vstore<V>(s + (jb + 2) * RP + rb, a2);
+          vstore<V>(s + (jb + 3) * RP + rb, a3);
+        }
+      }
+    }
+    // mask: causal, window, past the span
+    if (n < TK || k0 + n - 1 > min_pos || k0 <= max_pos - window) {
+      for (int j = 0; j < TK; ++j) {
+        const float kpos = static_cast<float>(k0 + j);
+        const bool beyond = j >= n;
+        float* sj = s + j * RP;
+        for (int r = 0; r < RP; ++r) {
+          const bool hide = beyond || kpos > posf[r] || kpos <= posf[r] - static_cast<float>(window);
+          sj[r] = hide ? NEG_INF : sj[r];
+        }
+      }
+    }
+    // online softmax, rows across the lanes (a decode's few rows fit in one vector)
+    const int RU = small ? round_up(R, V) : RP;
+    for (int rb = 0; rb < RU; rb += V) {
+      const F mold = vload<V>(m + rb);
+      F mx = mold;
+      for (int j = 0; j < TK; ++j) mx = vmax<V>(mx, vload<V>(s + j * RP + rb));
+      const F ms = mx == vsplat<V>(NEG_INF) ? F{} : mx;  // nothing visible yet: every weight is 0
+      const F al = vexp_nonpos<V>(mold - ms);
+      F sum{};
+      for (int j = 0; j < TK; ++j) {
+        const F pj = vexp_nonpos<V>(vload<V>(s + j * RP + rb) - ms);
+        vstore<V>(s + j * RP + rb, pj);
+        sum += pj;
+      }
+      vstore<V>(l + rb, vload<V>(l + rb) * al + sum);
+      vstore<V>(alpha + rb, al);
+      vstore<V>(m + rb, mx);
+    }
+    // acc = acc * alpha + p @ v, a block of rows x vectors in registers (at most 8 accumulators)
+    if constexpr (DT > 0) {
+      constexpr int NVC = DT / V;
+      constexpr int CV = NVC < 8 ? NVC : 8;
+      constexpr int NR = NVC <= 4 ? 2 : 1;
+      int r = 0;
+      for (; r + NR <= R; r += NR)
+        for (int c0 = 0; c0 < NVC; c0 += CV) pv_block<V, NR, CV>(acc, DP, r, c0, alpha, s, RP, vf);
+      for (; r < R; ++r)
+        for (int c0 = 0; c0 < NVC; c0 += CV) pv_block<V, 1, CV>(acc, DP, r, c0, alpha, s, RP, vf);
+    } else {
+      for (int r = 0; r < R; ++r)
+        for (int c0 = 0; c0 < NV; ++c0) pv_block<V, 1, 1>(acc, DP, r, c0, alpha, s, RP, vf);
+    }
+  }
+
+  if (it.slot < 0) {
+    T* out = static_cast<T*>(P.out);
+    for (int r = 0; r < R; ++r) {
+      const int t = g.t0 + r / G, hq = h * G + r % G;
+      T* op = out + static_cast<int64_t>(qbeg + t) * P.os0 + static_cast<int64_t>(hq) * P.os1;
+      store_row(acc + r * DP, l[r] > 0.0f ? 1.0f / l[r] : 0.0f, op, D);
+    }
+  } else {
+    float* st = P.part_stats + static_cast<int64_t>(it.slot) * P.max_rows * 2;
+    float* pa = P.part_acc + static_cast<int64_t>(it.slot) * P.max_rows * D;
+    for (int r = 0; r < R; ++r) {
+      st[2 * r] = m[r];
+      st[2 * r + 1] = l[r];
+      std::memcpy(pa + static_cast<int64_t>(r) * D, acc + r * DP, sizeof(float) * D);
+    }
+  }
+}
+
+template <typename T, int DT, int V>
+BR_INLINE void work(const Params& P, std::atomic<int>& next, float* ws) {
+  for (int i = next.fetch_add(1, std::memory_order_relaxed); i < P.nitems;
+       i = next.fetch_add(1, std::memory_order_relaxed))
+    run_item<T, DT, V>(P, P.items[i], ws);
+}
+
+enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
+
+// Dispatch on dtype and head_dim; instantiated once per ISA below. Head dims 64 and 128 get their own
+// code (accumulators in registers); others, and float16, take the generic loops.
+#define BR_DISPATCH_BODY(V)                                           \
+  const int D = P.D;                                                  \
+  switch (dt) {                                                       \
+    case F32:                                                         \
+      if (D == 64) return work<float, 64, V>(P, next, ws);            \
+      if (D == 128) return work<float, 128, V>(P, next, ws);          \
+      return work<float, 0, V>(P, next, ws);                          \
+    case BF16:                                                        \
+      if (D == 64) return work<c10::BFloat16, 64, V>(P, next, ws);    \
+      if (D == 128) return work<c10::BFloat16, 128, V>(P, next, ws);  \
+      return work<c10::BFloat16, 0, V>(P, next, ws);                  \
+    default:                                                          \
+      return work<c10::Half, 0, V>(P, next, ws);                      \
+  }
+#define BR_DISPATCH_GENERIC(V)                                        \
+  switch (dt) {                                                       \
+    case F32: return work<float, 0, V>(P, next, ws);                  \
+    case BF16: return work<c10::BFloat16, 0, V>(P, next, ws);         \
+    default: return work<c10::Half, 0, V>(P, next, ws);               \
+  }
+
+#ifdef BR_X86_DISPATCH
+// x86-64 machines without AVX2 are rare: the baseline build is the generic one only
+void work_base(const Params& P, Dtype dt, std::atomic<int>& next, float* ws) { BR_DISPATCH_GENERIC(4) }
+#else
+void work_base(const Params& P, Dtype dt, std::atomic<int>& next, float* ws) { BR_DISPATCH_BODY(4) }
+#endif
+
+#ifdef BR_X86_DISPATCH
+__attribute__((target("avx2,fma,f16c"))) void work_avx2(const Params& P, Dtype dt, std::atomic<int>& next,
+                                                         float* ws) {
+  BR_DISPATCH_BODY(8)
+}
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"))) void
+work_avx512(const Params& P, Dtype dt, std::atomic<int>& next, float* ws) {
+  BR_DISPATCH_BODY(16)
+}
+#endif
+
+// 0: baseline, 1: AVX2 + FMA, 2: AVX-512
+int64_t best_isa() {
+#ifdef BR_X86_DISPATCH
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
+#endif
+  return 0;
+}
+
+void run_work(const Params& P, Dtype dt, int isa, std::atomic<int>& next, float* ws) {
+#ifdef BR_X86_DISPATCH
+  if (isa == 2) return work_avx512(P, dt, next, ws);
+  if (isa == 1) return work_avx2(P, dt, next, ws);
+#endif
+  work_base(P, dt, next, ws);
+}
+
+template <typename T>
+void merge_group(const Params& P, const Group& g) {
+  const int G = P.G, D = P.D, R = (g.t1 - g.t0) * G;
+  const int qbeg = P.qsl[g.b];
+  T* out = static_cast<T*>(P.out);
+  std::vector<float> o(D);
+  for (int r = 0; r < R; ++r) {
+    float M = NEG_INF;
+    for (int p = 0; p < g.nparts; ++p)
+      M = std::max(M, P.part_stats[(static_cast<int64_t>(g.slot + p) * P.max_rows + r) * 2]);
+    std::fill(o.begin(), o.end(), 0.0f);
+    float L = 0.0f;
+    for (int p = 0; p < g.nparts; ++p) {
+      const int64_t row = static_cast<int64_t>(g.slot + p) * P.max_rows + r;
+      const float mp = P.part_stats[row * 2], lp = P.part_stats[row * 2 + 1];
+      if (lp == 0.0f) continue;
+      const float w = std::exp(mp - M);
+      L += w * lp;
+      const float* a = P.part_acc + row * D;
+      for (int d = 0; d < D; ++d) o[d] += w * a[d];
+    }
+    const int t = g.t0 + r / G, hq = g.h * G + r % G;
+    T* op = out + static_cast<int64_t>(qbeg + t) * P.os0 + static_cast<int64_t>(hq) * P.os1;
+    store_row(o.data(), L > 0.0f ? 1.0f / L : 0.0f, op, D);
+  }
+}
+
+#define BR_CHECK(cond, ...) STD_TORCH_CHECK(cond, "paged_attention: ", __VA_ARGS__)
+
+Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens,
+                       Tensor block_tables, double scale, int64_t sliding_window, int64_t isa) {
+  BR_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu(), "CPU tensors only");
+  BR_CHECK(q.dim() == 3, "q must be [T, Hq, D], got ", q.dim(), " dims");
+  BR_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "k_cache, v_cache must be [num_blocks, block_size, Hkv, D]");
+  for (int i = 0; i < 4; ++i)
+    BR_CHECK(k_cache.size(i) == v_cache.size(i), "k_cache and v_cache shapes differ");
+  const ScalarType st = q.scalar_type();
+  BR_CHECK(st == ScalarType::Float || st == ScalarType::BFloat16 || st == ScalarType::Half,
+           "dtype must be float32, bfloat16 or float16");
+  BR_CHECK(k_cache.scalar_type() == st && v_cache.scalar_type() == st, "q, k_cache, v_cache dtypes differ");
+  BR_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+           "the head dimension must be contiguous");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t nblocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2);
+  BR_CHECK(k_cache.size(3) == D, "head_dim of q (", D, ") and of the cache (", k_cache.size(3), ") differ");
+  BR_CHECK(Hkv > 0 && Hq % Hkv == 0, "num query heads (", Hq, ") must be a multiple of num KV heads (", Hkv, ")");
+  BR_CHECK(bs > 0 && D > 0, "empty block_size or head_dim");
+  for (const Tensor* t : {&query_start_loc, &seq_lens, &block_tables})
+    BR_CHECK(t->is_cpu() && t->scalar_type() == ScalarType::Int,
+             "query_start_loc, seq_lens, block_tables must be int32 CPU tensors");
+  BR_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "seq_lens must be a contiguous [B] tensor");
+  const int64_t B = seq_lens.size(0);
+  BR_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == B + 1 && query_start_loc.is_contiguous(),
+           "query_start_loc must be a contiguous [B + 1] tensor");
+  BR_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B &&
+               (block_tables.stride(1) == 1 || block_tables.size(1) <= 1),
+           "block_tables must be [B, max_blocks] with contiguous rows");
+  BR_CHECK(T < (int64_t(1) << 31) && nblocks < (int64_t(1) << 31), "too many tokens or blocks");
+
+  Tensor out = torch::stable::new_empty(q, {T, Hq, D});
+  if (T == 0 || B == 0) return out;
+
+  const int32_t* qsl = static_cast<const int32_t*>(query_start_loc.data_ptr());
+  const int32_t* lens = static_cast<const int32_t*>(seq_lens.data_ptr());
+  const int32_t* bt = static_cast<const int32_t*>(block_tables.data_ptr());
+  const int64_t W = block_tables.size(1), bts0 = block_tables.stride(0);
+  const int G = static_cast<int>(Hq / Hkv);
+  const int window = sliding_window > 0 ? static_cast<int>(std::min<int64_t>(sliding_window, 1 << 30)) : (1 << 30);
+  BR_CHECK(qsl[0] == 0 && qsl[B] == T, "query_start_loc must run from 0 to T = ", T, ", got ", qsl[0], " .. ",
+           qsl[B]);
+
+  // plan: groups of (sequence, KV head, query chunk); block table entries checked once here
+  const int tok_per_group = std::max(1, MAX_ROWS / G);
+  std::vector<Group> groups;
+  int max_rows = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int qlen = qsl[b + 1] - qsl[b], ctx = lens[b];
+    BR_CHECK(qlen >= 0, "query_start_loc decreases at sequence ", b);
+    BR_CHECK(ctx >= qlen, "seq_lens[", b, "] = ", ctx, " is shorter than its ", qlen, " query tokens");
+    BR_CHECK(static_cast<int64_t>(ctx) <= W * bs, "seq_lens[", b, "] = ", ctx, " needs more than the ", W,
+             " blocks of its block table row");
+    if (qlen == 0) continue;
+    const int first = std::max(0, ctx - qlen - window + 1) / static_cast<int>(bs);
+    const int last = (ctx - 1) / static_cast<int>(bs);
+    for (int i = first; i <= last; ++i) {
+      const int32_t blk = bt[b * bts0 + i];
+      BR_CHECK(blk >= 0 && blk < nblocks, "block_tables[", b, ", ", i, "] = ", blk, " is not a block of the cache (",
+               nblocks, " blocks)");
+    }
+    const int nchunks = (qlen + tok_per_group - 1) / tok_per_group;
+    const int per = (qlen + nchunks - 1) / nchunks;
+    for (int t0 = 0; t0 < qlen; t0 += per) {
+      const int t1 = std::min(qlen, t0 + per);
+      const int pmin = ctx - qlen + t0, pmax = ctx - qlen + t1 - 1;
+      const int lo = std::max(0, pmin - window + 1), hi = pmax + 1;
+      max_rows = std::max(max_rows, (t1 - t0) * G);
+      for (int h = 0; h < Hkv; ++h) groups.push_back({static_cast<int>(b), h, t0, t1, lo, hi, 0, 1, -1});
+    }
+  }
+  const int nthreads = std::max<int>(1, static_cast<int>(torch::stable::get_num_threads()));
+  // too few groups to keep the threads busy: split long key spans into partitions, merged below
+  int want = 1;
+  if (nthreads > 1 && static_cast<int64_t>(groups.size()) < 4 * nthreads)
+    want = static_cast<int>((4 * nthreads + groups.size() - 1) / groups.size());
+  std::vector<Item> items;
+  int slots = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    Group& g = groups[gi];
+    const int span = g.hi - g.lo;
+    const int np = std::max(1, std::min(want, span / PART_KEYS));
+    const int rows = (g.t1 - g.t0) * G;
+    g.first_item = static_cast<int>(items.size());
+    g.nparts = 1;
+    if (np == 1) {
+      items.push_back({static_cast<int>(gi), g.lo, g.hi, -1, static_cast<int64_t>(span) * (rows + 16)});
+      continue;
+    }
+    g.slot = slots;
+    const int per = round_up((span + np - 1) / np, TK);
+    int p = 0;
+    for (int k0 = g.lo; k0 < g.hi; k0 += per, ++p) {
+      const int k1 = std::min(g.hi, k0 + per);
+      items.push_back({static_cast<int>(gi), k0, k1, slots + p, static_cast<int64_t>(k1 - k0) * (rows + 16)});
+    }
+    g.nparts = p;
+    slots += p;
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  std::vector<float> part_stats, part_acc;
+  if (slots > 0) {
+    part_stats.resize(static_cast<size_t>(slots) * max_rows * 2);
+    part_acc.resize(static_cast<size_t>(slots) * max_rows * D);
+  }
+
+  Params P;
+  P.q = q.data_ptr();
+  P.qs0 = q.stride(0);
+  P.qs1 = q.stride(1);
+  P.k = k_cache.data_ptr();
+  P.v = v_cache.data_ptr();
+  P.ks0 = k_cache.stride(0);
+  P.ks1 = k_cache.stride(1);
+  P.ks2 = k_cache.stride(2);
+  P.vs0 = v_cache.stride(0);
+  P.vs1 = v_cache.stride(1);
+  P.vs2 = v_cache.stride(2);
+  P.out = out.data_ptr();
+  P.os0 = out.stride(0);
+  P.os1 = out.stride(1);
+  P.qsl = qsl;
+  P.lens = lens;
+  P.bt = bt;
+  P.bts0 = bts0;
+  P.nblocks = nblocks;
+  P.bs = static_cast<int>(bs);
+  P.G = G;
+  P.D = static_cast<int>(D);
+  P.scale = static_cast<float>(scale);
+  P.window = window;
+  P.groups = groups.data();
+  P.items = items.data();
+  P.nitems = static_cast<int>(items.size());
+  P.max_rows = max_rows;
+  P.part_stats = slots ? part_stats.data() : nullptr;
+  P.part_acc = slots ? part_acc.data() : nullptr;
+
+  const Dtype dt = st == ScalarType::Float ? F32 : st == ScalarType::BFloat16 ? BF16 : F16;
+  const int64_t best = best_isa();
+  const int use_isa = static_cast<int>(isa < 0 ? best : std::min(isa, best));
+  const size_t ws_floats = scratch_floats(max_rows, static_cast<int>(D));
+  std::atomic<int> next{0};
+  const int64_t nworkers = std::min<int64_t>(nthreads, P.nitems);
+  auto body = [&](int64_t, int64_t) {
+    thread_local std::vector<float> ws;
+    if (ws.size() < ws_floats) ws.resize(ws_floats);
+    run_work(P, dt, use_isa, next, ws.data());
+  };
+  if (nworkers <= 1) body(0, 1);
+  else torch::stable::parallel_for(0, nworkers, 1, body);
+
+  if (slots > 0) {
+    std::vector<int> split;
+    for (size_t gi = 0; gi < groups.size(); ++gi)
+      if (groups[gi].nparts > 1) split.push_back(static_cast<int>(gi));
+    auto merge = [&](int64_t s0, int64_t s1) {
+      for (int64_t i = s0; i < s1; ++i) {
+        const Group& g = groups[split[i]];
+        if (dt == F32) merge_group<float>(P, g);
+        else if (dt == BF16) merge_group<c10::BFloat16>(P, g);
+        else merge_group<c10::Half>(P, g);
+      }
+    };
+    if (split.size() <= 1) merge(0, static_cast<int64_t>(split.size()));
+    else torch::stable::parallel_for(0, static_cast<int64_t>(split.size()), 1, merge);
+  }
+  return out;
+}
+
+// k, v [T, Hkv, D] (a view of the qkv projection is fine) into the caches [N, bs, Hkv, D] at slot_mapping [T]
+// int64 (block * bs + offset); a negative slot is padding and skipped. One call stores both.
+void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping) {
+  STD_TORCH_CHECK(k.is_cpu() && v.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() && slot_mapping.is_cpu(),
+                  "store_kv: CPU tensors only");
+  STD_TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+                  "store_kv: k, v must be [T, Hkv, D] and the caches [N, bs, Hkv, D]");
+  const ScalarType st = k_cache.scalar_type();
+  STD_TORCH_CHECK(k.scalar_type() == st && v.scalar_type() == st && v_cache.scalar_type() == st,
+                  "store_kv: k, v and the caches must share a dtype");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  for (int i = 0; i < 3; ++i)
+    STD_TORCH_CHECK(v.size(i) == k.size(i), "store_kv: k and v shapes differ");
+  for (int i = 0; i < 4; ++i)
+    STD_TORCH_CHECK(v_cache.size(i) == k_cache.size(i), "store_kv: k_cache and v_cache shapes differ");
+  STD_TORCH_CHECK(k_cache.size(2) == H && k_cache.size(3) == D, "store_kv: k, v heads/head_dim differ from the cache");
+  STD_TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+                  "store_kv: the head dimension must be contiguous");
+  STD_TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.is_contiguous() &&
+                      slot_mapping.scalar_type() == ScalarType::Long,
+                  "store_kv: slot_mapping must be a contiguous [T] int64 tensor");
+  if (T == 0) return;
+  const int64_t bs = k_cache.size(1), nslots = k_cache.size(0) * bs;
+  const int64_t* slots = static_cast<const int64_t*>(slot_mapping.data_ptr());
+  for (int64_t t = 0; t < T; ++t)
+    STD_TORCH_CHECK(slots[t] < nslots, "store_kv: slot_mapping[", t, "] = ", slots[t], " is past the cache (",
+                    nslots, " slots)");
+  const size_t esz = k.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  const int64_t kc0 = k_cache.stride(0), kc1 = k_cache.stride(1), kc2 = k_cache.stride(2);
+  const int64_t vc0 = v_cache.stride(0), vc1 = v_cache.stride(1), vc2 = v_cache.stride(2);
+  auto body = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      const int64_t blk = slot / bs, off = slot % bs;
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(kc + (blk * kc0 + off * kc1 + h * kc2) * esz, kp + (t * ks0 + h * ks1) * esz, D * esz);
+        std::memcpy(vc + (blk * vc0 + off * vc1 + h * vc2) * esz, vp + (t * vs0 + h * vs1) * esz, D * esz);
+      }
+    }
+  };
+  if (T * H * D * static_cast<int64_t>(esz) < (1 << 18)) body(0, T);  // small: threads cost more than they save
+  else torch::stable::parallel_for(0, T, 64, body);
+}
+
+int64_t cpu_isa() { return best_isa(); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(batchrun_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor block_tables, float scale, int sliding_window, int isa=-1) -> Tensor");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("cpu_isa() -> int");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) {
+  m.impl("paged_attention", TORCH_BOX(&paged_attention));
+  m.impl("store_kv", TORCH_BOX(&store_kv));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CompositeExplicitAutograd, m) { m.impl("cpu_isa", TORCH_BOX(&cpu_isa)); }
