@@ -26,7 +26,7 @@ def run_config(job: str, out: str, seqs, tokens, max_tokens: int) -> dict:
         sets.append(f"engine.max_num_seqs={seqs}")
     if tokens:
         sets.append(f"engine.max_num_batched_tokens={tokens}")
-    argv = [sys.executable, "-m", "batchrun", "submit", job, "--json", "-q"]
+    argv = [sys.executable, "-m", "batchrun.cli", "submit", job, "--json", "-q"]
     for s in sets:
         argv += ["--set", s]
     p = subprocess.run(argv, capture_output=True, text=True)

@@ -16,7 +16,8 @@ from batchrun.job.plan import fingerprint_hash
 SUMMARY_ENGINE_STATS = ("steps", "tokens_per_step", "num_blocks", "peak_blocks_used", "preemptions",
                         "swapped_out_blocks", "swapped_in_blocks", "recomputed_tokens", "prefix_cache_queries",
                         "prefix_cache_hits", "prefix_cache_hit_rate", "spec_proposed", "spec_accepted",
-                        "spec_acceptance_rate", "mean_tokens_per_decode_step")
+                        "spec_acceptance_rate", "mean_tokens_per_decode_step", "host_overhead_ms_per_step",
+                        "host_overhead_fraction")
 
 
 def result_table(spec, prep, outs: list[Optional[Any]], shared: list[bool], tokenizer,
