@@ -20,6 +20,7 @@ from batchrun.engine.config import EngineConfig, default_threads
 from batchrun.engine.kv_cache import blocks_needed
 from batchrun.engine.sampler import sample, verify_sampled
 from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
+from batchrun.models.cpu_linear import PACKED_LINEAR_ENV, pack_linear_weights, packing_supported
 from batchrun.models.llama import LlamaModel
 from batchrun.models.loader import ModelError, ModelInfo, load_weights
 from batchrun.models.rope import cos_sin_cache, rope_params
@@ -136,6 +137,10 @@ class ModelRunner:
         self.compiled = bool(config.compile and not config.enforce_eager and self.device.type == "cpu")
         if self.compiled:
             self.model.compile_dense()
+        # bf16 projections through oneDNN's packed layout (models/cpu_linear.py); off under torch.compile
+        self.packed_linear = (self.device.type == "cpu" and not self.compiled and packing_supported(self.dtype)
+                              and os.environ.get(PACKED_LINEAR_ENV, "1") != "0")
+        self.packed_extra_bytes = pack_linear_weights(model, config.max_num_seqs) if self.packed_linear else 0
 
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
@@ -236,6 +241,7 @@ class ModelRunner:
             "host_swap_bytes": self.num_host_blocks * self.block_size * self.kv_bytes_per_token,
             "threads": self.threads,
             "compiled": self.compiled,
+            "packed_linear": self.packed_linear, "packed_extra_bytes": self.packed_extra_bytes,
         }
 
     def _buffers(self, T: int, B: int, W: int) -> None:

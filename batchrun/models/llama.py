@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from batchrun.engine.attention import AttentionMetadata
+from batchrun.models.cpu_linear import linear
 from batchrun.models.rope import cos_sin_cache, rope_params
 
 
@@ -48,7 +49,7 @@ def pre_attention(h: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_
     T = h.shape[0]
     x = rms_norm(h, ln_w, eps)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = nn.functional.linear(x, qkv_w, qkv_b).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = linear(x, qkv_w, qkv_b).split([q_size, kv_size, kv_size], dim=-1)
     q = q.view(T, num_heads, head_dim)
     k = k.view(T, num_kv_heads, head_dim)
     v = v.view(T, num_kv_heads, head_dim)
@@ -60,9 +61,9 @@ def pre_attention(h: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_
 def post_attention(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, ln_w: torch.Tensor,
                    gate_up_w: torch.Tensor, down_w: torch.Tensor, eps: float) -> torch.Tensor:
     """o_proj + residual -> post-attention norm -> SwiGLU MLP + residual; returns the layer's output."""
-    h = h + nn.functional.linear(o.flatten(1), o_w)
-    gate, up = nn.functional.linear(rms_norm(h, ln_w, eps), gate_up_w).chunk(2, dim=-1)
-    return h + nn.functional.linear(nn.functional.silu(gate) * up, down_w)
+    h = h + linear(o.flatten(1), o_w)
+    gate, up = linear(rms_norm(h, ln_w, eps), gate_up_w).chunk(2, dim=-1)
+    return h + linear(nn.functional.silu(gate) * up, down_w)
 
 
 class Attention(nn.Module):
@@ -177,5 +178,5 @@ class LlamaModel(nn.Module):
     def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         # h: [S, H] -> [S, V] float32 (the model's dtype with upcast=False: enough for an argmax)
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = torch.nn.functional.linear(h, w)
+        logits = linear(h, getattr(self, "logits_weight", w))      # logits_weight: packed (cpu_linear)
         return logits.float() if upcast else logits
