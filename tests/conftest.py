@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 
-import pytest
-import torch
+# `python -m pytest` puts the working directory, the repository root, first on sys.path, where the source
+# folder kernels/ (installed as batchrun.kernels) would shadow the PyPI package `kernels` that transformers
+# >= 5.25 imports. batchrun is installed (editable), so the root is not needed on the path.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # before any test module imports batchrun.kernels (and so triton): Triton kernels decorated without it
