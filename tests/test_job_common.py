@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import sys
 from typing import Any, Optional
 
@@ -84,6 +85,15 @@ def popen_cli(*args: str, env: Optional[dict] = None) -> subprocess.Popen:
     e.setdefault("OMP_NUM_THREADS", "2")
     return subprocess.Popen([sys.executable, "-m", "batchrun.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=e, cwd=REPO)
+
+
+def wait_for(pred, proc: subprocess.Popen, what: str, timeout: float = 240) -> None:
+    """Poll pred() until true; fail if the job process exits first or after `timeout` s (a hang guard)."""
+    deadline = time.time() + timeout
+    while not pred():
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}"
+        assert time.time() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.005)
 
 
 def results(out: str) -> list[tuple]:

@@ -32,7 +32,7 @@ from batchrun.job.plan import make_plan
 from batchrun.job.run import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNEXPECTED, JobRunner
 from batchrun.job.spec import parse_job
 from s3util import BUCKET, FaultyProxy, s3  # noqa: F401
-from test_job_common import (REPO, cli, counts, job_dict, popen_cli, reference_output, results,  # noqa: F401
+from test_job_common import (REPO, wait_for, cli, counts, job_dict, popen_cli, reference_output, results,  # noqa: F401
                              tiny_model, write_job)
 
 # -- two live workers on one unit -----------------------------------------------------------------------
@@ -97,14 +97,6 @@ def setup(tmp_path_factory, tiny_model):  # noqa: F811
 def stopped(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
-
-
-def wait_for(pred, proc, what, timeout=240):
-    deadline = time.time() + timeout
-    while not pred():
-        assert proc.poll() is None, f"exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}"
-        assert time.time() < deadline, f"no {what} within {timeout}s"
-        time.sleep(0.01)
 
 
 def test_a_zombie_holder_commits_nothing_after_a_takeover(setup):

@@ -22,7 +22,7 @@ import pytest
 from batchrun.connectors import ParquetSink
 from batchrun.job.lock import LOCK, TAKEOVER_PREFIX, JobLock, LockHeld, process_space
 from batchrun.job.run import EXIT_LOCKED, EXIT_OK
-from test_job_common import job_for as common_job_for
+from test_job_common import job_for as common_job_for, wait_for
 from test_job_common import (REPO, cli, counts, popen_cli, reference_output, results,  # noqa: F401
                              tiny_model)
 
@@ -367,14 +367,6 @@ def job_for(setup, name):
 def n_done(out):
     d = os.path.join(out, "_batchrun", "done")
     return len(os.listdir(d)) if os.path.exists(d) else 0
-
-
-def wait_for(cond, proc, what, timeout=180):
-    deadline = time.time() + timeout
-    while not cond():
-        assert proc.poll() is None, f"exited {proc.returncode} before {what}: {proc.stderr.read()[-3000:]}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def assert_complete(out, ref):

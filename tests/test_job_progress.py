@@ -19,7 +19,7 @@ import pytest
 
 from batchrun.job.lock import LOCK
 from batchrun.job.progress import ProgressTracker
-from test_job_common import cli, counts, job_dict, popen_cli, tiny_model, write_job, write_prompt_files  # noqa: F401
+from test_job_common import wait_for, cli, counts, job_dict, popen_cli, tiny_model, write_job, write_prompt_files  # noqa: F401
 
 
 # -- the estimator against a simulated engine --------------------------------------------------------
@@ -114,14 +114,6 @@ def read_json(path):
             return json.load(f)
     except (FileNotFoundError, ValueError):
         return None
-
-
-def wait_for(pred, proc, what, timeout=180):
-    deadline = time.time() + timeout
-    while not pred():
-        assert proc.poll() is None, f"the job exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}"
-        assert time.time() < deadline, f"no {what} within {timeout}s"
-        time.sleep(0.01)
 
 
 FAST = {"BATCHRUN_PROGRESS_INTERVAL_S": "0.2"}
