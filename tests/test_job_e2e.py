@@ -5,14 +5,14 @@ import pyarrow.parquet as pq
 from batchrun import LLM, SamplingParams
 from jobutil import cli, counts, last_json, prompt_rows, results, write_job, write_parquet_files
 
-N = 2000
+N = 640
 
 
 def test_cli_job_every_id_once_and_equal_to_llm_generate(job_model, tmp_path):
     rows = prompt_rows(N)
     write_parquet_files(str(tmp_path / "in"), rows, files=4, row_group_size=100)
     job = write_job(str(tmp_path / "job.yaml"), job_model, str(tmp_path / "in"), str(tmp_path / "out"),
-                    plan__unit_rows=128, plan__window_units=3)
+                    plan__unit_rows=64, plan__window_units=3)
     r = cli("submit", job, "--json", "--quiet", check=True)
     summary = last_json(r.stdout)
     assert summary["ok"] and summary["rows"] == N and summary["error_rows"] == 0

@@ -176,11 +176,12 @@ def test_sigterm_while_the_ledger_opens_releases_the_lock(setup, s3, tmp_path): 
 # -- per-row max_tokens in the length order --------------------------------------------------------------------
 def test_length_order_counts_each_rows_own_max_tokens(tmp_path, tiny_model):  # noqa: F811
     """OpenAI Batch rows whose max_completion_tokens shrink as their prompts grow: the engine must get
-    them longest (prompt + that row's max_tokens) first, not by prompt length alone."""
+    them longest (prompt + that row's max_tokens) first, not by prompt length alone (max tokens shrink by 6
+    a row, prompts grow by 4 words: the two orders are opposite)."""
     lines = []
     for i in range(24):
         words = "please summarise the following list of words carefully: " + " ".join(["word"] * (3 + 4 * i))
-        body = {"messages": [{"role": "user", "content": words}], "max_completion_tokens": 4 + 30 * (23 - i)}
+        body = {"messages": [{"role": "user", "content": words}], "max_completion_tokens": 4 + 6 * (23 - i)}
         lines.append(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                                  "body": body}))
     (tmp_path / "batch.jsonl").write_text("\n".join(lines) + "\n")

@@ -248,6 +248,8 @@ held = []                                   # winners keep their lock until the 
 open(f"{sync}/ready-{wid}", "w").close()
 for r in range(rounds):
     while not os.path.exists(f"{sync}/go-{r}"):
+        if os.path.exists(f"{sync}/end"):       # the test ended early (a failed round)
+            sys.exit(0)
         time.sleep(0.0005)
     lock = JobLock(ParquetSink(f"{sync}/out-{r}"), "race")
     try:
@@ -297,7 +299,10 @@ def test_racing_processes_exactly_one_wins_fresh_and_stale_locks(tmp_path):
     finally:
         open(f"{sync}/end", "w").close()
         for p in procs:
-            p.wait(timeout=60)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 # -- the same against a real S3 API (moto's server on loopback) -------------------------------------

@@ -25,8 +25,10 @@ long engine step never ages it.
 Taking over a stale lock with token T is race-safe: a contender first creates, create-only,
 `_batchrun/lock.takeover-T.<n>`; of all contenders that saw T exactly one succeeds (n > 0 only when an
 earlier taker died mid-takeover: its claim goes stale after stale_after_s). The winner removes the
-lock only if it still carries T (local: renamed aside and checked, put back if it was not T), then
-acquires create-only like anyone else. Release removes the lock only if it still carries our token.
+lock only if it still carries T (local: read, and only a T lock renamed aside and checked again, put
+back if it changed: a lock that is not T never goes missing, so a late contender that read T before the
+winner replaced it, and claims T after the winner's claim is gone, removes nothing), then acquires
+create-only like anyone else. Release removes the lock only if it still carries our token.
 Remaining window, object stores only: between reading T and deleting it (milliseconds), and only if
 T's holder was alive after all and released in exactly that moment.
 """
@@ -176,9 +178,14 @@ class JobLock:
             retry_io(lambda: self.fs.pipe_file(path, data), full_path(self.fs, path), "put")
 
     def _remove_if(self, path: str, token: Optional[str]) -> bool:
-        """Remove `path` if its record carries `token`; True if removed. Local: renamed aside first,
-        so what is checked is exactly what is removed (put back when it was not ours to remove)."""
+        """Remove `path` if its record carries `token`; True if removed. Local: read first, and only a
+        match is renamed aside (a lock never goes missing for a moment because someone else checked it:
+        a create-only acquire in that moment would win beside its holder); the renamed file is checked
+        again, so what is checked is exactly what is removed (put back when it changed in between)."""
         if self.local:
+            rec = self._read(path)
+            if rec is None or rec.get("token") != token:
+                return False
             aside = f"{path}.{uuid.uuid4().hex}.del"
             try:
                 os.rename(path, aside)
