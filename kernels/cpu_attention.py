@@ -7,7 +7,7 @@ query_start_loc[b]:query_start_loc[b+1] of q, the last qlen positions of its seq
 accumulation and online softmax; cost follows the sum of the contexts, and no K/V is copied.
 paged_attention_ref is the same contract in plain torch (gather, mask, softmax), the op's reference.
 
-The source (csrc/cpu_attention.cpp) is compiled once per machine with torch.utils.cpp_extension and cached
+The source (csrc/cpu_attention.cpp, with csrc/cpu_layer_ops.cpp: one library) is compiled once per machine with torch.utils.cpp_extension and cached
 under $BATCHRUN_EXTENSIONS_DIR, else $XDG_CACHE_HOME/batchrun/torch_extensions, else
 ~/.cache/batchrun/torch_extensions, in a folder keyed by the source, the flags, torch and Python. The build
 is portable (no -march=native: the kernel is compiled for AVX-512, AVX2 and the baseline and picks one at run
@@ -32,7 +32,11 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "batchrun_cpu_attention"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_attention.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "cpu_attention.cpp"
+# one library: the attention op, the layer's elementwise ops (cpu_layer_ops.py) and their shared header
+EXTRA_SOURCES = [CSRC / "cpu_layer_ops.cpp"]
+HEADERS = [CSRC / "vec.h"]
 # -O2: the hot loops use explicit vector types, so -O3 buys nothing here but triples the build time.
 # No -march: the source compiles its kernel for several ISAs and picks one at run time. Threads come from
 # torch's own pool (stable parallel_for), so no OpenMP flags.
@@ -56,7 +60,8 @@ def cache_root() -> Path:
 def build_dir() -> Path:
     """This build's folder: keyed by everything that makes the binary (source, flags, torch, Python, ABI)."""
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for f in [SOURCE, *EXTRA_SOURCES, *HEADERS]:
+        h.update(f.read_bytes())
     for part in (_CFLAGS, _LDFLAGS, torch.__version__, torch.compiled_with_cxx11_abi(), sys.version_info[:2],
                  platform.machine(), sys.platform):
         h.update(repr(part).encode())
@@ -89,7 +94,7 @@ def _build(d: Path) -> None:
             return
         t0 = time.perf_counter()
         log.info("building the CPU attention op in %s (once per machine)", d)
-        cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+        cpp_extension.load(name=NAME, sources=[str(f) for f in [SOURCE, *EXTRA_SOURCES]], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                            build_directory=str(d), is_python_module=False, verbose=False)
         _state["build_s"] = time.perf_counter() - t0
         log.info("built the CPU attention op in %.1f s", _state["build_s"])
@@ -138,6 +143,22 @@ def _register_fake() -> None:
         @torch.library.register_fake("batchrun_cpu::store_kv")
         def _(k, v, k_cache, v_cache, slot_mapping):
             return None
+
+        @torch.library.register_fake("batchrun_cpu::rms_norm")
+        def _(x, w, eps):
+            return x.new_empty(x.shape)
+
+        @torch.library.register_fake("batchrun_cpu::add_rms_norm")
+        def _(x, residual, w, eps):
+            return x.new_empty(x.shape)
+
+        @torch.library.register_fake("batchrun_cpu::rope_")
+        def _(q, k, cos_sin, positions):
+            return None
+
+        @torch.library.register_fake("batchrun_cpu::silu_mul")
+        def _(gate_up):
+            return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
     except Exception:                                   # already registered (a second load), or an old torch
         pass
 

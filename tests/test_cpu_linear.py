@@ -3,8 +3,8 @@ reference: the same products, and a bf16 engine whose greedy tokens match the un
 import pytest
 import torch
 
-from batchrun import LLM, SamplingParams
 from batchrun.models.cpu_linear import PACKED_LINEAR_ENV, linear, pack, packing_supported
+from conftest import assert_same_greedy_with_env_off
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.bfloat16),
                                 reason="this CPU's oneDNN has no bf16 kernels: the plain path is used")
@@ -29,15 +29,4 @@ def test_fp32_is_never_packed():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])      # qwen2: q/k/v bias and tied embeddings
 def test_bf16_engine_with_packed_weights_matches_the_plain_one(hf_models, monkeypatch, arch):
-    path = hf_models[arch][0]
-    prompts = [[5, 6, 7, 8], list(range(10, 60)), [3] * 20]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    packed = LLM(path, dtype="bfloat16", max_num_seqs=4)
-    assert packed.engine.memory_ledger["packed_linear"] is True
-    monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
-    plain = LLM(path, dtype="bfloat16", max_num_seqs=4)
-    assert plain.engine.memory_ledger["packed_linear"] is False
-    a = packed.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    b = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids
+    assert_same_greedy_with_env_off(hf_models[arch][0], monkeypatch, PACKED_LINEAR_ENV, "packed_linear")

@@ -20,6 +20,7 @@ from batchrun.engine.config import EngineConfig, default_threads
 from batchrun.engine.kv_cache import blocks_needed
 from batchrun.engine.sampler import sample, verify_sampled
 from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
+from batchrun.models.cpu_fused import fused_ops_supported, use_fused_layer_ops
 from batchrun.models.cpu_linear import PACKED_LINEAR_ENV, pack_linear_weights, packing_supported
 from batchrun.models.llama import LlamaModel
 from batchrun.models.loader import ModelError, ModelInfo, load_weights
@@ -141,6 +142,10 @@ class ModelRunner:
         self.packed_linear = (self.device.type == "cpu" and not self.compiled and packing_supported(self.dtype)
                               and os.environ.get(PACKED_LINEAR_ENV, "1") != "0")
         self.packed_extra_bytes = pack_linear_weights(model, config.max_num_seqs) if self.packed_linear else 0
+        # norms, RoPE and SwiGLU's activation as one compiled op each (models/cpu_fused.py); eager CPU only
+        self.fused_layer_ops = not self.compiled and fused_ops_supported(self.device, self.dtype)
+        if self.fused_layer_ops:
+            use_fused_layer_ops(model)
 
         self.graphs = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
@@ -242,6 +247,7 @@ class ModelRunner:
             "threads": self.threads,
             "compiled": self.compiled,
             "packed_linear": self.packed_linear, "packed_extra_bytes": self.packed_extra_bytes,
+            "fused_layer_ops": self.fused_layer_ops,
         }
 
     def _buffers(self, T: int, B: int, W: int) -> None:

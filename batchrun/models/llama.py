@@ -5,7 +5,7 @@ Weights are fused at load time: qkv_proj = [q; k; v], gate_up_proj = [gate; up].
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -39,13 +39,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def rope_tables(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """(cos, sin) [T, 1, D/2] each, in the activations' dtype, from the float32 table [P, D] (cos | sin)."""
+    return cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+
+
 # The dense parts of a layer as free functions of tensors: one compiled graph serves every layer (a
 # compiled nn.Module method would be guarded on each module and recompiled per layer). The paged
 # attention between them stays eager: it reads host-side metadata and is its own kernel.
 def pre_attention(h: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
-                  q_norm_w: Optional[torch.Tensor], k_norm_w: Optional[torch.Tensor], cos: torch.Tensor,
-                  sin: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
-    """input norm -> fused qkv projection -> (Qwen3 q/k norm) -> RoPE; returns q [T, Hq, D], k, v [T, Hkv, D]."""
+                  q_norm_w: Optional[torch.Tensor], k_norm_w: Optional[torch.Tensor], rope: tuple,
+                  eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
+    """input norm -> fused qkv projection -> (Qwen3 q/k norm) -> RoPE; returns q [T, Hq, D], k, v [T, Hkv, D].
+    rope: (cos, sin) from rope_tables."""
     T = h.shape[0]
     x = rms_norm(h, ln_w, eps)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -55,6 +61,7 @@ def pre_attention(h: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_
     v = v.view(T, num_kv_heads, head_dim)
     if q_norm_w is not None:
         q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    cos, sin = rope
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -64,6 +71,17 @@ def post_attention(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, ln_w: to
     h = h + linear(o.flatten(1), o_w)
     gate, up = linear(rms_norm(h, ln_w, eps), gate_up_w).chunk(2, dim=-1)
     return h + linear(nn.functional.silu(gate) * up, down_w)
+
+
+class DenseFns(NamedTuple):
+    """The dense parts of a layer: the torch math above, or an equivalent a transform installs
+    (compile_dense; models/cpu_fused.py)."""
+    rope_inputs: Callable      # (cos_sin [P, D] float32, positions [T], dtype) -> pre's `rope`
+    pre: Callable              # pre_attention's signature
+    post: Callable             # post_attention's signature
+
+
+TORCH_DENSE = DenseFns(rope_tables, pre_attention, post_attention)
 
 
 class Attention(nn.Module):
@@ -116,9 +134,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, kv, meta, backend, pre=pre_attention, post=post_attention):
+    def forward(self, h, rope, kv, meta, backend, pre=pre_attention, post=post_attention):
         a = self.self_attn
-        q, k, v = pre(h, self.input_layernorm.weight, *a.qkv_args(), cos, sin, self.input_layernorm.eps,
+        q, k, v = pre(h, self.input_layernorm.weight, *a.qkv_args(), rope, self.input_layernorm.eps,
                       a.num_heads, a.num_kv_heads, a.head_dim)
         o = a.attend(q, k, v, kv, meta, backend)
         return post(o, h, a.o_proj.weight, self.post_attention_layernorm.weight, self.mlp.gate_up_proj.weight,
@@ -159,21 +177,21 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         # input_ids, positions: [T]; kv_caches: [L, 2, N, bs, Hkv, D] -> hidden [T, H]
         h = self.embed_tokens(input_ids)
-        cos, sin = self.cos_sin[positions].to(h.dtype).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        pre, post = self.dense_fns
+        fns = self.dense_fns
+        rope = fns.rope_inputs(self.cos_sin, positions, h.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_caches[i], meta, backend, pre, post)
+            h = layer(h, rope, kv_caches[i], meta, backend, fns.pre, fns.post)
         return self.norm(h)
 
     @property
-    def dense_fns(self):
-        return getattr(self, "_dense_fns", None) or (pre_attention, post_attention)
+    def dense_fns(self) -> DenseFns:
+        return getattr(self, "_dense_fns", None) or TORCH_DENSE
 
     def compile_dense(self, **compile_kwargs) -> None:
         """torch.compile the dense parts of every layer (norms, projections, RoPE, MLP) with a dynamic token
         count. Compilation happens on first use; attention stays eager."""
-        self._dense_fns = (torch.compile(pre_attention, dynamic=True, **compile_kwargs),
-                           torch.compile(post_attention, dynamic=True, **compile_kwargs))
+        self._dense_fns = TORCH_DENSE._replace(pre=torch.compile(pre_attention, dynamic=True, **compile_kwargs),
+                                               post=torch.compile(post_attention, dynamic=True, **compile_kwargs))
 
     def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         # h: [S, H] -> [S, V] float32 (the model's dtype with upcast=False: enough for an argmax)

@@ -31,22 +31,12 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
-
-#if defined(__GNUC__) || defined(__clang__)
-#define BR_INLINE inline __attribute__((always_inline))
-#define BR_RESTRICT __restrict__
-#else
-#define BR_INLINE inline
-#define BR_RESTRICT
-#endif
-
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-#define BR_X86_DISPATCH 1
-#endif
 
 constexpr int PAD = 16;        // head_dim and query rows are padded to a multiple of this in the scratch
 constexpr int TK = 16;         // keys per tile
@@ -90,16 +80,6 @@ struct Params {
   float* part_acc;    // [slots, max_rows, D]
 };
 
-// ---- element conversions ----
-BR_INLINE float to_f(float x) { return x; }
-BR_INLINE float to_f(c10::BFloat16 x) {
-  uint32_t u = uint32_t(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-BR_INLINE float to_f(c10::Half x) { return static_cast<float>(x); }
-
 template <typename T>
 BR_INLINE void load_row(const T* BR_RESTRICT src, float* BR_RESTRICT dst, int D) {
   for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
@@ -107,71 +87,6 @@ BR_INLINE void load_row(const T* BR_RESTRICT src, float* BR_RESTRICT dst, int D)
 template <typename T>
 BR_INLINE void store_row(const float* BR_RESTRICT src, float mul, T* BR_RESTRICT dst, int D) {
   for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(src[d] * mul);
-}
-
-// ---- vectors: GCC/Clang vector extensions of V floats, V = 16 (AVX-512: one zmm), 8 (AVX2: one ymm) or 4
-// (SSE, NEON): one register each, so the accumulators below stay in registers on every ISA ----
-template <int V>
-struct VT {
-  typedef float f __attribute__((vector_size(4 * V)));
-  typedef int32_t i __attribute__((vector_size(4 * V)));
-};
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
-typedef float vf2 __attribute__((vector_size(8)));
-
-template <int V>
-BR_INLINE typename VT<V>::f vload(const float* p) {
-  typename VT<V>::f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-template <int V>
-BR_INLINE void vstore(float* p, typename VT<V>::f v) { std::memcpy(p, &v, sizeof v); }
-template <int V>
-BR_INLINE typename VT<V>::f vsplat(float x) { return typename VT<V>::f{} + x; }
-template <int V>
-BR_INLINE typename VT<V>::f vmax(typename VT<V>::f a, typename VT<V>::f b) { return a > b ? a : b; }
-
-BR_INLINE float hsum4(vf4 b) {
-  const vf4 c = b + __builtin_shufflevector(b, b, 2, 3, 0, 1);
-  return c[0] + c[1];
-}
-template <int V>
-BR_INLINE float hsum(typename VT<V>::f v) {
-  if constexpr (V == 16) {
-    const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    return hsum4(__builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7));
-  } else if constexpr (V == 8) {
-    return hsum4(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
-  } else {
-    return hsum4(v);
-  }
-}
-
-// exp(x) for x <= 0 (a score less the running max): 2^(x log2 e) = 2^n 2^f, |f| <= 1/2, degree-7 Taylor
-// polynomial for 2^f (truncation error < 1e-8 relative). Exactly 0 below -87, so for -inf (masked keys).
-template <int V>
-BR_INLINE typename VT<V>::f vexp_nonpos(typename VT<V>::f x) {
-  typedef typename VT<V>::f F;
-  typedef typename VT<V>::i I;
-  const F lim = vsplat<V>(-87.0f);
-  const F xc = x < lim ? lim : x;
-  const F y = xc * 1.44269504088896341f;
-  const F n = (y + 12582912.0f) - 12582912.0f;  // round to nearest (no -ffast-math, so not folded)
-  const F f = y - n;
-  F p = vsplat<V>(1.5252733804059841e-05f);
-  p = p * f + 1.5403530393381606e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.6181291076284772e-03f;
-  p = p * f + 5.5504108664821580e-02f;
-  p = p * f + 2.4022650695910072e-01f;
-  p = p * f + 6.9314718055994531e-01f;
-  p = p * f + 1.0f;
-  const I bits = reinterpret_cast<const I&>(p) + (__builtin_convertvector(n, I) << 23);
-  const F r = reinterpret_cast<const F&>(bits);
-  return x < lim ? F{} : r;
 }
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
@@ -477,18 +392,6 @@ work_avx512(const Params& P, Dtype dt, std::atomic<int>& next, float* ws) {
   BR_DISPATCH_BODY(16)
 }
 #endif
-
-// 0: baseline, 1: AVX2 + FMA, 2: AVX-512
-int64_t best_isa() {
-#ifdef BR_X86_DISPATCH
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
-    return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
-#endif
-  return 0;
-}
 
 void run_work(const Params& P, Dtype dt, int isa, std::atomic<int>& next, float* ws) {
 #ifdef BR_X86_DISPATCH

@@ -1,0 +1,176 @@
+// Shared by batchrun's CPU ops: portable vector helpers (GCC/Clang vector extensions), element conversions
+// and the run-time ISA choice. Each op compiles its kernel per ISA with function target attributes.
+#pragma once
+
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define BR_INLINE inline __attribute__((always_inline))
+#define BR_RESTRICT __restrict__
+#else
+#define BR_INLINE inline
+#define BR_RESTRICT
+#endif
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#define BR_X86_DISPATCH 1
+#endif
+
+namespace {
+
+// ---- element conversions ----
+BR_INLINE float to_f(float x) { return x; }
+BR_INLINE float to_f(c10::BFloat16 x) {
+  uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+BR_INLINE float to_f(c10::Half x) { return static_cast<float>(x); }
+
+// ---- vectors: GCC/Clang vector extensions of V floats, V = 16 (AVX-512: one zmm), 8 (AVX2: one ymm) or 4
+// (SSE, NEON): one register each, so the accumulators below stay in registers on every ISA ----
+template <int V>
+struct VT {
+  typedef float f __attribute__((vector_size(4 * V)));
+  typedef int32_t i __attribute__((vector_size(4 * V)));
+  typedef uint32_t u __attribute__((vector_size(4 * V)));
+  typedef uint16_t h __attribute__((vector_size(2 * V)));  // V bfloat16 bit patterns
+};
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef float vf2 __attribute__((vector_size(8)));
+
+template <int V>
+BR_INLINE typename VT<V>::f vload(const float* p) {
+  typename VT<V>::f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <int V>
+BR_INLINE void vstore(float* p, typename VT<V>::f v) { std::memcpy(p, &v, sizeof v); }
+template <int V>
+BR_INLINE typename VT<V>::f vsplat(float x) { return typename VT<V>::f{} + x; }
+template <int V>
+BR_INLINE typename VT<V>::f vmax(typename VT<V>::f a, typename VT<V>::f b) { return a > b ? a : b; }
+
+BR_INLINE float hsum4(vf4 b) {
+  const vf4 c = b + __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  return c[0] + c[1];
+}
+template <int V>
+BR_INLINE float hsum(typename VT<V>::f v) {
+  if constexpr (V == 16) {
+    const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return hsum4(__builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7));
+  } else if constexpr (V == 8) {
+    return hsum4(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+  } else {
+    return hsum4(v);
+  }
+}
+
+// exp(x) = 2^(x log2 e) = 2^n 2^f, n an integer, |f| <= 1/2: returns 2^f (degree-7 Taylor polynomial,
+// truncation error < 1e-8 relative) and n, for x in [-87, 89]
+template <int V>
+BR_INLINE typename VT<V>::f vexp_parts(typename VT<V>::f x, typename VT<V>::i& n_out) {
+  typedef typename VT<V>::f F;
+  const F y = x * 1.44269504088896341f;
+  const F n = (y + 12582912.0f) - 12582912.0f;  // round to nearest (no -ffast-math, so not folded)
+  const F f = y - n;
+  F p = vsplat<V>(1.5252733804059841e-05f);
+  p = p * f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.6181291076284772e-03f;
+  p = p * f + 5.5504108664821580e-02f;
+  p = p * f + 2.4022650695910072e-01f;
+  p = p * f + 6.9314718055994531e-01f;
+  p = p * f + 1.0f;
+  n_out = __builtin_convertvector(n, typename VT<V>::i);
+  return p;
+}
+
+// p * 2^n by adding n to p's exponent field (p in [0.7, 1.5], so the result stays normal for n >= -125)
+template <int V>
+BR_INLINE typename VT<V>::f vscale2(typename VT<V>::f p, typename VT<V>::i n) {
+  typedef typename VT<V>::i I;
+  const I bits = reinterpret_cast<const I&>(p) + (n << 23);
+  return reinterpret_cast<const typename VT<V>::f&>(bits);
+}
+
+// exp(x) for x <= 0 (a score less the running max); exactly 0 below -87, so for -inf (masked keys)
+template <int V>
+BR_INLINE typename VT<V>::f vexp_nonpos(typename VT<V>::f x) {
+  typedef typename VT<V>::f F;
+  typedef typename VT<V>::i I;
+  const F lim = vsplat<V>(-87.0f);
+  I n;
+  const F p = vexp_parts<V>(x < lim ? lim : x, n);
+  return x < lim ? F{} : vscale2<V>(p, n);
+}
+
+// V bfloat16 values at p as V floats (a bfloat16 is the top half of a float)
+template <int V>
+BR_INLINE typename VT<V>::f vload_bf16(const c10::BFloat16* p) {
+  typedef typename VT<V>::h U16;
+  typedef typename VT<V>::u U32;
+  U16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const U32 bits = __builtin_convertvector(raw, U32) << 16;
+  return reinterpret_cast<const typename VT<V>::f&>(bits);
+}
+// V floats rounded to bfloat16 at p: round to nearest even, as c10::BFloat16(float) (NaN -> 0x7fc0)
+template <int V>
+BR_INLINE void vstore_bf16(c10::BFloat16* p, typename VT<V>::f x) {
+  typedef typename VT<V>::h U16;
+  typedef typename VT<V>::u U32;
+  const U32 u = reinterpret_cast<const U32&>(x);
+  U32 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  r = (x != x) ? U32{} + 0x7fc0u : r;
+  const U16 out = __builtin_convertvector(r, U16);
+  std::memcpy(p, &out, sizeof out);
+}
+template <int V>
+BR_INLINE typename VT<V>::f vload_t(const float* p) { return vload<V>(p); }
+template <int V>
+BR_INLINE typename VT<V>::f vload_t(const c10::BFloat16* p) { return vload_bf16<V>(p); }
+template <int V>
+BR_INLINE void vstore_t(float* p, typename VT<V>::f x) { vstore<V>(p, x); }
+template <int V>
+BR_INLINE void vstore_t(c10::BFloat16* p, typename VT<V>::f x) { vstore_bf16<V>(p, x); }
+
+// exp(x) for any x: 0 below -87; a positive n is applied as 2^(n-1) * 2, so that the top binade is reached
+// and past 88.72 the result overflows to inf as expf does (silu(-100) is then -0, as in torch)
+template <int V>
+BR_INLINE typename VT<V>::f vexp(typename VT<V>::f x) {
+  typedef typename VT<V>::f F;
+  typedef typename VT<V>::i I;
+  const F lo = vsplat<V>(-87.0f), hi = vsplat<V>(89.0f);
+  F xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  I n;
+  const F p = vexp_parts<V>(xc, n);
+  const I up = n > 0;          // -1 (all bits) where n > 0, else 0
+  const F r = vscale2<V>(p, n + up) * (up ? vsplat<V>(2.0f) : vsplat<V>(1.0f));
+  return x < lo ? F{} : r;
+}
+
+// 0: baseline, 1: AVX2 + FMA, 2: AVX-512
+inline int64_t best_isa() {
+#ifdef BR_X86_DISPATCH
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
+#endif
+  return 0;
+}
+
+}  // namespace
