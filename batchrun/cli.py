@@ -1,26 +1,30 @@
 """The `batchrun` command line: submit, status, validate, query, demo.
 
-Exit codes (also in the README): 0 done; 1 unexpected error (retry may help); 2 bad job file or
-command line; 3 input or model unusable (missing column, corrupt file, unknown architecture);
-4 the output holds a different job's results (use --restart or another output.uri);
-73 another live run of the job holds the output's lock (re-submit later); 74 object-store I/O failed
-for good (the message names the URL; re-submit resumes); 75 interrupted by SIGTERM/SIGINT
-(re-submit to resume).
+Exit codes (batchrun/errors.py, also in the README): 0 done; 1 unexpected error (retry may help; the
+traceback is in a log file the message names); 2 bad job file or command line; 3 input or model
+unusable (missing column, corrupt file, unknown architecture); 4 the output holds a different job's
+results (use --restart or another output.uri); 73 another live run of the job holds the output's lock
+(re-submit later); 74 storage I/O failed for good (the message names the URL or path; re-submit
+resumes); 75 interrupted by SIGTERM/SIGINT (re-submit to resume). Every failure is one line on stderr.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
-import traceback
+import threading
 from typing import List, Optional
 
-import typer
+if __name__ == "__main__":    # python -m batchrun.cli: a signal from here on is exit 75, not a traceback
+    from batchrun.errors import startup_signals as _early
+    _early()
 
-from batchrun.connectors.retry import StorageError
-from batchrun.job.run import (EXIT_BAD_JOB, EXIT_FINGERPRINT, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_LOCKED,
-                              EXIT_OK, EXIT_UNEXPECTED)
-from batchrun.job.run import EXIT_STORAGE
+import typer  # noqa: E402
+
+from batchrun.errors import (EXIT_BAD_JOB, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNEXPECTED,  # noqa: E402
+                             classify, one_line, report_unexpected, startup_signals)
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="Offline LLM batch inference: job files in, Parquet out, resumable.")
@@ -30,37 +34,47 @@ SetOpt = typer.Option(None, "--set", help="Override a job-file key: --set engine
 
 def _err(msg: str) -> None:
     from batchrun.connectors.secrets import redact
-    print(f"batchrun: {redact(msg)}", file=sys.stderr, flush=True)
+    print(f"batchrun: {redact(one_line(msg))}", file=sys.stderr, flush=True)
 
 
-def _fail(code: int, msg: str, as_json: bool = False):
+def _fail(code: int, msg: str, as_json: bool = False, state: str = "failed"):
     _err(msg)
     if as_json:
         from batchrun.connectors.secrets import redact
-        print(json.dumps({"ok": False, "state": "failed", "exit_code": code, "error": redact(msg)}), flush=True)
+        print(json.dumps({"ok": False, "state": state, "exit_code": code, "error": redact(one_line(msg))}),
+              flush=True)
     raise typer.Exit(code)
 
 
-def _load(job: str, sets: Optional[List[str]], as_json: bool = False):
-    from batchrun.job.spec import JobError, load_job
+@contextlib.contextmanager
+def _guard(as_json: bool = False, output: Optional[str] = None, planning: bool = False):
+    """Every exception of a command's body becomes its exit code and one line on stderr (errors.classify).
+    planning: an OSError that is not a storage failure means the input or model is unusable (exit 3).
+    Unexpected errors (exit 1) leave their traceback in a log file (errors.report_unexpected)."""
     try:
+        yield
+    except (typer.Exit, SystemExit):
+        raise
+    except BaseException as e:   # noqa: BLE001 - classified: nothing leaves a command as a traceback
+        code, msg = classify(e)
+        if planning and code == EXIT_UNEXPECTED and isinstance(e, OSError):
+            code, msg = EXIT_INPUT, one_line(f"{e.filename}: {e.strerror}" if e.filename else e)
+        if code == EXIT_UNEXPECTED:
+            log = report_unexpected(e, output)
+            msg += f" (traceback in {log})" if log else ""
+        _fail(code, msg, as_json, "interrupted" if code == EXIT_INTERRUPTED else "failed")
+
+
+def _load(job: str, sets: Optional[List[str]], as_json: bool = False):
+    from batchrun.job.spec import load_job
+    with _guard(as_json):
         return load_job(job, sets or [])
-    except JobError as e:
-        _fail(EXIT_BAD_JOB, str(e), as_json)
 
 
 def _plan(spec, as_json: bool = False, **plan_kw):
-    from batchrun.connectors import InputError
     from batchrun.job.plan import make_plan
-    from batchrun.job.spec import JobError
-    try:
+    with _guard(as_json, spec.output.uri, planning=True):
         return make_plan(spec, **plan_kw)
-    except JobError as e:
-        _fail(EXIT_BAD_JOB, str(e), as_json)
-    except StorageError as e:     # the input store failed for good (retries spent, or access denied)
-        _fail(EXIT_STORAGE, str(e), as_json)
-    except (InputError, ValueError, OSError) as e:
-        _fail(EXIT_INPUT, str(e), as_json)
 
 
 @app.command()
@@ -82,37 +96,10 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(name)s: %(message)s")
     spec = _load(job, sets, as_json)
-    runner_cls, ray_error = _backend(spec, ray, as_json)
+    runner_cls = _backend(spec, ray, as_json)
     plan = _plan(spec, as_json, restart=restart)   # --restart re-runs input.sql
-    from batchrun.connectors import InputError
-    from batchrun.connectors.secrets import MissingEnvVar
-    from batchrun.job.ledger import FingerprintMismatch
-    from batchrun.job.run import Interrupted, LockHeld
-    try:
+    with _guard(as_json, spec.output.uri):
         summary = runner_cls(plan, restart=restart, progress_bar=progress and not quiet).run()
-    except ray_error as e:            # no Ray cluster at the address given
-        _fail(EXIT_BAD_JOB, str(e), as_json)
-    except FingerprintMismatch as e:
-        _fail(EXIT_FINGERPRINT, str(e), as_json)
-    except LockHeld as e:
-        _fail(EXIT_LOCKED, str(e), as_json)
-    except Interrupted as e:
-        _err(str(e))
-        if as_json:
-            from batchrun.connectors.secrets import redact
-            print(json.dumps({"ok": False, "state": "interrupted", "exit_code": EXIT_INTERRUPTED,
-                              "error": redact(str(e))}), flush=True)
-        raise typer.Exit(EXIT_INTERRUPTED)
-    except MissingEnvVar as e:    # a ${VAR} of storage_options unset where it was expanded (a Ray node)
-        _fail(EXIT_BAD_JOB, str(e), as_json)
-    except StorageError as e:     # names the URL and the error; a re-submit resumes
-        _fail(EXIT_STORAGE, str(e), as_json)
-    except (InputError, ValueError) as e:     # ModelError, TokenizerError are ValueErrors naming the file
-        _fail(EXIT_INPUT, str(e), as_json)
-    except Exception as e:   # noqa: BLE001
-        from batchrun.connectors.secrets import redact
-        print(redact(traceback.format_exc()), end="", file=sys.stderr, flush=True)   # never a credential
-        _fail(EXIT_UNEXPECTED, f"unexpected error: {type(e).__name__}: {e}", as_json)
     summary["exit_code"] = EXIT_OK
     if as_json:
         print(json.dumps(summary, default=str), flush=True)
@@ -123,16 +110,12 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
               f"{100 * (summary['engine_busy_fraction'] or 0):.1f}%")
 
 
-class _NeverRaised(Exception):
-    pass
-
-
 def _backend(spec, ray_address: Optional[str], as_json: bool):
-    """(runner class, its connection error) for runtime.backend, or Ray when --ray is given. The local
-    path never imports ray; a missing ray fails here, before any planning, naming the extra."""
+    """The runner class for runtime.backend, or Ray when --ray is given. The local path never imports ray;
+    a missing ray fails here, before any planning, naming the extra."""
     if ray_address is None and spec.runtime.backend != "ray":
         from batchrun.job.run import JobRunner
-        return JobRunner, _NeverRaised
+        return JobRunner
     import functools
 
     from batchrun.job.ray_runner import RayJobRunner, RayUnavailable, require_ray
@@ -141,7 +124,7 @@ def _backend(spec, ray_address: Optional[str], as_json: bool):
     except RayUnavailable as e:
         _fail(EXIT_BAD_JOB, f"{'--ray' if ray_address is not None else 'runtime.backend: ray'}: {e}", as_json)
     spec.runtime.backend = "ray"
-    return functools.partial(RayJobRunner, address=ray_address or None), RayUnavailable
+    return functools.partial(RayJobRunner, address=ray_address or None)
 
 
 def _bare_ray_flag(argv: list[str]) -> list[str]:
@@ -169,10 +152,11 @@ def status(target: str = typer.Argument(..., help="The output URL, or the job fi
     """Units and rows done of total, throughput, ETA and state (running/finished/interrupted/failed)."""
     from batchrun.job.status import format_status, job_status
     uri, so = _output_of(target, sets)
-    try:
-        st = job_status(uri, so)
-    except (ValueError, OSError) as e:
-        _fail(EXIT_INPUT, f"{uri}: {e}")
+    with _guard(output=uri):
+        try:
+            st = job_status(uri, so)
+        except (ValueError, OSError) as e:
+            _fail(EXIT_INPUT, f"{uri}: {e}")
     print(json.dumps(st, default=str) if as_json else format_status(st))
 
 
@@ -185,10 +169,8 @@ def validate(job: str = typer.Argument(..., help="The job file (YAML)."),
     from batchrun.job.plan import format_report, plan_report
     spec = _load(job, sets, as_json)
     plan = _plan(spec, as_json, stage_input=False)   # validate writes nothing
-    try:
+    with _guard(as_json, spec.output.uri, planning=True):
         report = plan_report(plan, sample)
-    except (ValueError, OSError) as e:
-        _fail(EXIT_INPUT, str(e), as_json)
     print(json.dumps(report, default=str) if as_json else format_report(report))
 
 
@@ -207,8 +189,9 @@ def query(target: str = typer.Argument(..., help="The output URL, or the job fil
     from batchrun.connectors.base import full_path
     from batchrun.job.ledger import Ledger
     uri, so = _output_of(target, sets)
-    sink = ParquetSink(uri, so, create=False)
-    files = Ledger(sink).committed_files()
+    with _guard(output=uri):
+        sink = ParquetSink(uri, so, create=False)
+        files = Ledger(sink).committed_files()
     if not files:
         _fail(EXIT_INPUT, f"{sink.url}: no committed results yet")
     con = duckdb.connect()
@@ -258,8 +241,23 @@ def demo(dir: str = typer.Argument(..., help="Directory to write the demo model,
     print(f"batchrun submit {job}")
 
 
+def _leave(code) -> None:
+    """Exit now when a failed run's reader thread is still inside a read (its join timed out on a stuck
+    store): interpreter shutdown could wait forever on pyarrow's I/O threads it left running."""
+    if code and any(t.name.startswith("batchrun-reader") and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else EXIT_UNEXPECTED)
+
+
 def main() -> None:
-    app(args=_bare_ray_flag(sys.argv[1:]), prog_name="batchrun")
+    """The `batchrun` command."""
+    startup_signals()
+    try:
+        app(args=_bare_ray_flag(sys.argv[1:]), prog_name="batchrun")
+    except SystemExit as e:
+        _leave(e.code)
+        raise
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Sources (Parquet, JSONL, CSV, OpenAI Batch files, DuckDB SQL) and the Parquet sink, all over fsspec."""
 from batchrun.connectors.base import InputError, Source, Unit, filesystem
-from batchrun.connectors.lines import ROW_ERROR, CsvSource, JsonlSource
+from batchrun.connectors.csv_source import CsvSource
+from batchrun.connectors.lines import ROW_ERROR, JsonlSource
 from batchrun.connectors.openai_batch import ROW_SAMPLING, OpenAIBatchSource
 from batchrun.connectors.parquet import ParquetSource
 from batchrun.connectors.sink import ParquetSink

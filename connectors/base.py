@@ -15,6 +15,11 @@ class InputError(ValueError):
     """A problem with the input that stops the job before weights load; names the file or column."""
 
 
+class OutputError(ValueError):
+    """output.uri cannot hold results (a file stands where its directory must be, or it lies inside the
+    input); the message names the path. A bad job file: exit 2."""
+
+
 @dataclass(frozen=True)
 class Unit:
     """A fixed slice of the input: rows [row_start, row_start + num_rows) of one file.

@@ -1,4 +1,5 @@
-"""JSONL and CSV sources: units are row ranges of each file, found by one streaming pass at planning.
+"""Line-based sources (JSONL here, CSV in connectors/csv_source.py): units are row ranges of each file,
+found by one streaming pass at planning.
 
 That pass also records where each unit's bytes start and end (JSONL: line starts; CSV: record starts,
 quoted newlines included, found with Python's csv reader), so reading a unit is one ranged read of
@@ -7,19 +8,18 @@ retried on transient failures like every other store call (connectors/retry.py).
 is retried as a whole.
 
 A bad line never stops a job: invalid JSON, a JSON value that is not an object, a value whose type
-contradicts the column's, or a CSV row with the wrong number of fields still counts as one row. Its
-columns are null and the ROW_ERROR column carries "<file>: line <n>: <what is wrong>"; the runner turns
-it into an error row (finish_reason 'error'). ROW_ERROR is present only in tables that have such a row.
+contradicts the column's, an integer beyond 64 bits, bytes that are not UTF-8, or a CSV row with the
+wrong number of fields still counts as one row. Its columns are null and the ROW_ERROR column carries
+"<file>: line <n>: <what is wrong>"; the runner turns it into an error row (finish_reason 'error').
+ROW_ERROR is present only in tables that have such a row.
 """
 from __future__ import annotations
 
-import csv
 import io
 import json
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import pyarrow as pa
-import pyarrow.csv as pcsv
 
 from batchrun.connectors.base import InputError, Listing, Source, Unit, full_path, list_files
 from batchrun.connectors.retry import StorageError, retry_io
@@ -166,6 +166,11 @@ class JsonlSource(_LineSource):
             return None, f"{where}: not valid JSON (not UTF-8: {e})"
         if not isinstance(obj, dict):
             return None, f"{where}: a JSON object per line is required, found {type(obj).__name__}"
+        huge = _huge_int(obj)
+        if huge is not None:      # Arrow has no wider integer: pyarrow would raise OverflowError for the lot
+            key, value = huge
+            text = str(value) if len(str(value)) <= 40 else f"{str(value)[:40]}..."
+            return None, f"{where}: {key!r}: integer {text} does not fit in 64 bits (quote it to keep it as text)"
         return obj, None
 
     def _sample(self, path: str) -> tuple[list[dict], Optional[str]]:
@@ -257,135 +262,19 @@ class JsonlSource(_LineSource):
         return pa.concat_tables(tables)
 
 
-class CsvSource(_LineSource):
-    """CSV with a header row (.tsv: tab-separated). Column types are inferred once, from the first file's
-    first block, and imposed on every read so all units agree. Planning finds where each record starts
-    (byte offset and physical line) with Python's csv reader, the same dialect as pyarrow's defaults
-    ('"' quotes, doubled to escape, quoted newlines, blank lines skipped); a unit is then its byte range,
-    parsed by pyarrow with the header's column names. A row with the wrong number of fields is an error
-    row naming its physical line."""
-
-    suffixes = (".csv", ".tsv")
-
-    def __init__(self, uri: str, storage_options: Optional[dict] = None):
-        self._types: Optional[dict[str, pa.DataType]] = None
-        self._lines_at: dict[tuple[str, int], int] = {}      # (path, byte offset of a unit) -> its first line
-        super().__init__(uri, storage_options)
-
-    def _delimiter(self, path: str) -> str:
-        return "\t" if path.endswith(".tsv") else ","
-
-    def _reader(self, fh, path: str, on_invalid: Optional[Callable] = None, names: Optional[list[str]] = None):
-        opts = pcsv.ParseOptions(delimiter=self._delimiter(path), newlines_in_values=True,
-                                 invalid_row_handler=on_invalid)
-        conv = pcsv.ConvertOptions(strings_can_be_null=True, column_types=self._types)
-        try:
-            # use_threads=False: only then does pyarrow report the record number of an invalid row
-            return pcsv.open_csv(fh, read_options=pcsv.ReadOptions(use_threads=False, column_names=names),
-                                 parse_options=opts, convert_options=conv)
-        except pa.ArrowInvalid as e:
-            raise InputError(f"{self.name(path)}: not readable as CSV ({e})") from e
-
-    def _schema_of(self, path: str) -> pa.Schema:
-        def read() -> pa.Schema:
-            with self.fs.open(path, "rb") as fh:
-                return self._reader(fh, path, lambda row: "skip").schema
-        schema = self._retried(read, path, "read")
-        if self._types is None:
-            self._types = {f.name: f.type for f in schema}
-        return schema
-
-    def _split(self, path: str, unit_rows: int) -> list[tuple[int, int, int, int]]:
-        out: list[tuple[int, int]] = []
-        n = -1                                   # the header is record 0
-        with self.fs.open(path, "rb") as fh:
-            text = io.TextIOWrapper(fh, encoding="utf-8", errors="surrogateescape", newline="")
-            for offset, line in _record_starts(text, self._delimiter(path)):
-                if n >= 0 and n % unit_rows == 0:
-                    out.append((n, offset))
-                    self._lines_at[(path, offset)] = line
-                n += 1
-        n = max(n, 0)
-        ends = [off for _, off in out[1:]] + [self._size(path)]
-        return [(r, min(unit_rows, n - r), off, end) for (r, off), end in zip(out, ends)]
-
-    def read(self, unit: Unit, columns: Optional[list[str]] = None) -> pa.Table:
-        data = self._range(unit)
-        bad: list[tuple] = []
-
-        def on_invalid(row) -> str:
-            bad.append((row.number, row.expected_columns, row.actual_columns, row.text))
-            return "skip"
-        reader = self._reader(io.BytesIO(data), unit.path, on_invalid, self.schema.names)
-        try:
-            t = reader.read_all()
-        except pa.ArrowInvalid as e:
-            raise InputError(f"{self.name(unit.path)}: not readable as CSV ({e})") from e
-        rows = t.num_rows + len(bad)
-        if rows != unit.num_rows:
-            raise InputError(f"{self.name(unit.path)}: changed since planning (unit {unit.index} expects "
-                             f"{unit.num_rows} rows from byte {unit.byte_offset}, found {rows})")
-        if not bad:
-            return _conform(t, self.schema, columns, self.name(unit.path))
-        # bad rows keep their place: record numbers count from 1 in this unit's bytes
-        first_line = self._lines_at.get((unit.path, unit.byte_offset), 0)
-        lines = _record_lines(data, self._delimiter(unit.path), {b[0] for b in bad if b[0] is not None})
-        where = {b[0]: b for b in bad}
-        positions: list[Optional[int]] = []
-        errors: list[Optional[str]] = []
-        good = 0
-        for rec in range(1, rows + 1):
-            if rec in where:
-                number, expected, actual, text = where[rec]
-                line = lines.get(rec)
-                at = f"line {first_line + line - 1}" if line and first_line else "a row"
-                snippet = text if len(text) <= 200 else text[:200] + "..."
-                positions.append(None)
-                errors.append(f"{self.name(unit.path)}: {at}: expected {expected} fields, found {actual}: "
-                              f"{snippet!r}")
-            else:
-                positions.append(good)
-                errors.append(None)
-                good += 1
-        return with_row_errors(_conform(scatter(t, positions), self.schema, columns, self.name(unit.path)), errors)
+_INT64 = (-(1 << 63), (1 << 63) - 1)    # pyarrow types JSON integers as int64, never wider
 
 
-def _record_starts(text_lines, delimiter: str) -> Iterator[tuple[int, int]]:
-    """(byte offset, physical line) where each non-blank CSV record starts; `text_lines` are decoded with
-    surrogateescape and newline="", so each re-encodes to its exact bytes."""
-    rd_lines: list[tuple[int, int]] = []      # (offset, line number) of lines fed, not yet consumed
-    pos, lineno = 0, 0
-
-    def feed():
-        nonlocal pos, lineno
-        for line in text_lines:
-            lineno += 1
-            rd_lines.append((pos, lineno))
-            pos += len(line.encode("utf-8", "surrogateescape"))
-            yield line
-    rd = csv.reader(feed(), delimiter=delimiter)
-    consumed = 0
-    for row in rd:
-        first = rd_lines[0]
-        used = rd.line_num - consumed
-        consumed = rd.line_num
-        del rd_lines[:used]
-        if row:
-            yield first
-
-
-def _record_lines(data: bytes, delimiter: str, wanted: set) -> dict[int, int]:
-    """{record number (1-based, blank lines skipped): its first line (1-based)} within `data`."""
-    out: dict[int, int] = {}
-    if not wanted:
-        return out
-    text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape", newline="")
-    for rec, (_, line) in enumerate(_record_starts(text, delimiter), 1):
-        if rec in wanted:
-            out[rec] = line
-            if len(out) == len(wanted):
-                break
-    return out
+def _huge_int(v: Any, key: str = "") -> Optional[tuple[str, int]]:
+    """(key path, value) of the first integer in a parsed JSON value that no Arrow integer type holds."""
+    if type(v) is int:
+        return None if _INT64[0] <= v <= _INT64[1] else (key, v)
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        found = _huge_int(x, f"{key}[{k}]" if isinstance(k, int) else f"{key}.{k}" if key else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 def _conform(t: pa.Table, schema: pa.Schema, columns: Optional[list[str]], name: str,

@@ -2,7 +2,9 @@
 
 On object stores a unit reads only its own row groups and columns: the footers read at planning are
 reused, the file is opened without read-ahead, and pyarrow fetches (coalesced) byte ranges of the
-column chunks it needs, so no input file is downloaded whole.
+column chunks it needs, so no input file is downloaded whole. A failure of the store is retried (and
+is exit 74 once retries are spent); a file whose bytes do not decode (a corrupt footer or page) is an
+InputError naming the file and row groups (exit 3): reading it again cannot help.
 """
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ class ParquetSource(Source):
             name = full_path(self.fs, f.path)
             try:
                 meta, schema = retry_io(lambda: self._footer(f.path, f.size), name, "read footer")
-            except StorageError:
+            except (StorageError, InputError):
                 raise
-            except Exception as e:  # pyarrow raises several types for non-Parquet bytes
+            except Exception as e:  # noqa: BLE001 - the store's own error that retry_io let through
                 raise InputError(f"{name}: not a readable Parquet file ({e})") from e
             if self.schema is None:
                 self.schema = schema
@@ -51,16 +53,36 @@ class ParquetSource(Source):
             return self.fs.open(path, "rb")
         return self.fs.open(path, "rb", cache_type="none", size=size)
 
-    def _footer(self, path: str, size: int):
+    def _decode(self, path: str, size: int, what: str, fn):
+        """fn(file) on a handle that remembers the store's own exceptions: those are re-raised for
+        retry_io to classify (transient or not); any other failure is in the file's bytes, a corrupt
+        input (InputError, exit 3) that no retry fixes."""
         with self._open(path, size) as fh:
+            tracked = _Tracked(fh)
+            try:
+                return fn(tracked)
+            except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowInvalid, ... for bad bytes
+                if e is tracked.error:
+                    raise
+                if tracked.error is not None:
+                    raise tracked.error from e
+                raise InputError(f"{full_path(self.fs, path)}: {what} ({' '.join(str(e).split())})") from e
+
+    def _footer(self, path: str, size: int):
+        def read(fh):
             pf = pq.ParquetFile(fh)
             return pf.metadata, pf.schema_arrow
+        return self._decode(path, size, "not a readable Parquet file", read)
 
     def _read_groups(self, unit: Unit, columns: Optional[list[str]]) -> pa.Table:
         i = self._index[unit.path]
-        with self._open(unit.path, self.listing.files[i].size) as fh:
+        groups = list(unit.row_groups)
+
+        def read(fh):
             pf = pq.ParquetFile(fh, metadata=self._meta[i], pre_buffer=True)
-            return pf.read_row_groups(list(unit.row_groups), columns=columns)
+            return pf.read_row_groups(groups, columns=columns)
+        return self._decode(unit.path, self.listing.files[i].size,
+                            f"row group(s) {', '.join(map(str, groups))}: corrupt data, not readable", read)
 
     @property
     def num_rows(self) -> int:
@@ -112,15 +134,39 @@ class ParquetSource(Source):
                 name = full_path(self.fs, unit.path)
                 try:
                     table = retry_io(lambda: self._read_groups(unit, columns), name, "read")
-                except StorageError:
+                except (StorageError, InputError):
                     raise
-                except Exception as e:  # noqa: BLE001 - pyarrow raises several types for bad pages
+                except Exception as e:  # noqa: BLE001 - the store's own error that retry_io let through
                     raise InputError(f"{name}: read failed ({e})") from e
                 self._cache = (key, table)
         i = self._index[unit.path]
         meta = self._meta[i]
         group_start = sum(meta.row_group(g).num_rows for g in range(unit.row_groups[0]))
         return table.slice(unit.row_start - group_start, unit.num_rows)
+
+
+class _Tracked:
+    """A file object for pyarrow that remembers the exception of any call into it, so an error pyarrow
+    raises afterwards can be told apart: the store's (this one) or the bytes' own (none recorded)."""
+
+    def __init__(self, fh):
+        self._fh = fh
+        self.error: Optional[BaseException] = None
+
+    IO = ("read", "readinto", "read1", "seek", "tell", "size")     # what pyarrow calls to fetch bytes
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._fh, name)
+        if name not in self.IO:
+            return attr
+
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except Exception as e:
+                self.error = e
+                raise
+        return call
 
 
 def _schema_diff(a: pa.Schema, b: pa.Schema) -> str:

@@ -25,7 +25,7 @@ from urllib.parse import quote
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.connectors.base import InputError, filesystem, full_path
+from batchrun.connectors.base import InputError, OutputError, filesystem, full_path
 from batchrun.connectors.retry import retry_io
 
 ROW_GROUP_ROWS = 122_880     # DuckDB's own row-group size: one scan task per group
@@ -119,7 +119,11 @@ class ParquetSink:
         self.root = root.rstrip("/") or "/"
         self.local = is_local(self.fs)
         if create:
-            retry_io(lambda: self.fs.makedirs(self.root, exist_ok=True), self.url, "makedirs")
+            try:
+                retry_io(lambda: self.fs.makedirs(self.root, exist_ok=True), self.url, "makedirs")
+            except (FileExistsError, NotADirectoryError) as e:    # a file where a directory must be
+                raise OutputError(f"output.uri: {self.url} cannot be a directory: "
+                                  f"{e.filename or self.url} is a file") from None
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"

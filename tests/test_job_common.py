@@ -72,12 +72,12 @@ def write_job(path: str, job: dict) -> str:
     return path
 
 
-def cli(*args: str, env: Optional[dict] = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`python -m batchrun.cli ARGS` in a real subprocess."""
+def cli(*args: str, env: Optional[dict] = None, timeout: float = 240, preexec=None) -> subprocess.CompletedProcess:
+    """`python -m batchrun.cli ARGS` in a real subprocess (preexec: run in the child before exec)."""
     e = {**os.environ, **(env or {})}
     e.setdefault("OMP_NUM_THREADS", "2")
     return subprocess.run([sys.executable, "-m", "batchrun.cli", *args], capture_output=True, text=True,
-                          env=e, timeout=timeout, cwd=REPO)
+                          env=e, timeout=timeout, cwd=REPO, preexec_fn=preexec)
 
 
 def popen_cli(*args: str, env: Optional[dict] = None) -> subprocess.Popen:

@@ -158,7 +158,7 @@ def test_env_references_expand_at_use_and_are_redacted(monkeypatch, tiny_model, 
     assert expand(opts) == {"secret": "s3cr3t-value-xyz", "client_kwargs": {"endpoint_url": "http://h:9000"},
                             "list": ["a-s3cr3t-value-xyz"]}
     assert redact("denied for s3cr3t-value-xyz") == "denied for ***"
-    job = job_dict(tiny_model, str(tmp_path), str(tmp_path / "out"))
+    job = job_dict(tiny_model, str(tmp_path / "in"), str(tmp_path / "out"))
     job["output"]["storage_options"] = {"secret": "${BR_T_UNSET_VAR}"}
     with pytest.raises(JobError) as e:
         parse_job(job, "job.yaml", "/")

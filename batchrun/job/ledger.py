@@ -3,7 +3,7 @@
 Layout under the output URL:
     part-<k>.parquet            results of unit k (published atomically by the sink); with
                                 output.partition_by, c=v/part-<k>.parquet, one per partition value
-    _batchrun/manifest.json     job fingerprint, units and rows in the plan
+    _batchrun/manifest.json     job fingerprint, units and rows in the plan (binding once a unit is done)
     _batchrun/done/<k>.json     written only after part-<k>.parquet is in place
     _batchrun/progress.json     rewritten atomically every few seconds by the running job
     _batchrun/summary.json      the final summary
@@ -118,14 +118,18 @@ class Ledger:
         """Start or resume: check the fingerprint, clean what a crash left, return the done markers.
 
         fingerprint: {component: value}; any difference from the stored one raises FingerprintMismatch
-        unless `restart`, which discards every committed unit first.
+        unless `restart`, which discards every committed unit first. A manifest binds only once a unit is
+        committed under it: with no done marker there, a different job's manifest is simply replaced (a
+        job that failed before committing anything, say on a typo, does not lock its output).
         """
         old = self.read_manifest()
         if old is not None and old.get("fingerprint") != fingerprint:
+            n = len(self.done_markers())
+            if n == 0:      # binding only once a unit is committed: a job that failed before that holds nothing
+                restart = True
             if not restart:
                 changed = sorted(k for k in set(old.get("fingerprint", {})) | set(fingerprint)
                                  if old.get("fingerprint", {}).get(k) != fingerprint.get(k))
-                n = len(self.done_markers())
                 detail = _input_changes(old.get("fingerprint", {}).get("input"), fingerprint.get("input"))
                 raise FingerprintMismatch(
                     f"{self.sink.url} holds results of a different job: {', '.join(changed)} changed "

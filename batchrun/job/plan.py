@@ -56,6 +56,7 @@ def make_plan(spec: JobSpec, load_tokenizer: bool = True, restart: bool = False,
         model = inspect_model(spec.model.path)
     except ValueError as e:
         raise InputError(f"model.path: {e}") from e
+    check_model_settings(spec, model)
     tokenizer = None
     if load_tokenizer:
         from batchrun.tokenizer import load_tokenizer as _load_tokenizer
@@ -74,6 +75,22 @@ def make_plan(spec: JobSpec, load_tokenizer: bool = True, restart: bool = False,
         check_columns(spec, source)
     units = source.units(spec.plan.unit_rows)
     return JobPlan(spec, source, units, model, job_fingerprint(spec, source, model), tokenizer)
+
+
+def check_model_settings(spec: JobSpec, model: ModelInfo) -> None:
+    """model.dtype and engine.max_model_len against the model, before any weight loads (and before the
+    output is touched): a typo there fails as a bad job file, not at engine start."""
+    try:
+        model.torch_dtype(spec.model.dtype)
+    except ValueError as e:
+        if spec.model.dtype == "auto":      # the model's own config names a dtype batchrun cannot load
+            raise InputError(f"model.path: {model.path}: config dtype: {e}; set model.dtype") from None
+        raise JobError(f"model.dtype: {e}") from None
+    asked = spec.engine.max_model_len
+    if asked is not None and asked > model.max_model_len:
+        where = "the GGUF metadata" if model.format == "gguf" else os.path.join(model.path, "config.json")
+        raise JobError(f"engine.max_model_len: {asked} exceeds the model's {model.max_model_len} "
+                       f"(max_position_embeddings in {where})")
 
 
 def check_columns(spec: JobSpec, source: Source) -> None:
@@ -180,6 +197,19 @@ def _row_params(spec: JobSpec, table: pa.Table, errors: list[Optional[str]]) -> 
     return params
 
 
+def _decode_binary(row: dict[str, Any]) -> Optional[str]:
+    """Binary values of a template row decoded as UTF-8 in place (formatting bytes would put their
+    Python repr, b'...', in the prompt); the error for the row when one is not UTF-8."""
+    for f, v in row.items():
+        if isinstance(v, (bytes, bytearray)):
+            try:
+                row[f] = bytes(v).decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"input.prompt_template: column {f!r} is binary and not UTF-8 text in this row "
+                        f"(byte {e.start}: {e.reason})")
+    return None
+
+
 def _user_messages(text: str, system: Optional[str]) -> list[dict]:
     msgs = [{"role": "system", "content": system}] if system else []
     return msgs + [{"role": "user", "content": text}]
@@ -221,6 +251,9 @@ def render(spec: JobSpec, table: pa.Table, tokenizer) -> Rendered:
                 nulls = [f for f, v in row.items() if v is None]
                 if nulls:
                     errors[i] = f"input.prompt_template: column {nulls[0]!r} is null in this row"
+                    continue
+                errors[i] = _decode_binary(row)
+                if errors[i] is not None:
                     continue
                 try:
                     prompts[i] = inp.prompt_template.format_map(row)
@@ -353,6 +386,8 @@ def plan_report(plan: JobPlan, sample: int = 256) -> dict[str, Any]:
     manifest = led.read_manifest()
     if manifest is None:
         output_state = "new"
+    elif manifest.get("fingerprint") != plan.fingerprint and not led.done_markers():
+        output_state = "new (a different job's manifest, with no unit committed: submit replaces it)"
     elif manifest.get("fingerprint") != plan.fingerprint:
         changed = sorted(k for k in plan.fingerprint if manifest["fingerprint"].get(k) != plan.fingerprint[k])
         output_state = f"holds a different job ({', '.join(changed)} changed): submit exits 4 unless --restart"

@@ -27,6 +27,9 @@ import pyarrow as pa
 from batchrun.connectors import ParquetSink, Unit
 from batchrun.connectors.secrets import redact
 from batchrun.connectors.sink import check_partition_types
+# Exit codes (README: "Exit codes"), defined where the CLI can load them before torch; re-exported here.
+from batchrun.errors import (EXIT_BAD_JOB, EXIT_FINGERPRINT, EXIT_INPUT, EXIT_INTERRUPTED,  # noqa: F401
+                             EXIT_LOCKED, EXIT_OK, EXIT_STORAGE, EXIT_UNEXPECTED, StartupInterrupted)
 from batchrun.job.commit import LockLost, lock_fence, writer_identity
 from batchrun.job.dedupe import RUN, WAIT, Deduper, request_key
 from batchrun.job.hooks import CRASH_ENV, CrashHook
@@ -37,17 +40,8 @@ from batchrun.job.progress import EngineAccount, ProgressTracker, Publisher, bar
 from batchrun.job.results import job_summary, result_table
 from batchrun.job.spec import JobSpec
 
-# Exit codes (README: "Exit codes"). A scheduler should retry 1, 73, 74 and 75, not 2, 3 or 4.
-EXIT_OK = 0
-EXIT_UNEXPECTED = 1
-EXIT_BAD_JOB = 2          # bad job file or command line
-EXIT_INPUT = 3            # input or model unusable (missing column, corrupt file, unknown architecture)
-EXIT_FINGERPRINT = 4      # output holds a different job's results; --restart to discard them
-EXIT_LOCKED = 73          # EX_CANTCREAT: another live run holds _batchrun/lock.json; re-submit later
-EXIT_STORAGE = 74         # EX_IOERR: object-store I/O failed for good (retries spent, or denied); re-submit resumes
-EXIT_INTERRUPTED = 75     # EX_TEMPFAIL: SIGTERM/SIGINT; re-submit to resume
-
 PROGRESS_INTERVAL_S = 2.0
+READER_JOIN_S = 60.0      # a failed run waits this long for a unit read in flight (retries bound it)
 __all__ = ["JobRunner", "Interrupted", "FingerprintMismatch", "run_job", "EXIT_OK", "EXIT_UNEXPECTED",
            "EXIT_BAD_JOB", "EXIT_INPUT", "EXIT_FINGERPRINT", "EXIT_INTERRUPTED", "EXIT_LOCKED", "LockHeld"]
 
@@ -108,6 +102,7 @@ class JobRunner:
         self._finished_rows = 0
         self._writer_error: Optional[BaseException] = None
         self._stop_reading = False      # the engine loop is over: the reader must not block on it
+        self._starting = False          # the engine is being built (a signal raises StartupInterrupted)
         # Reported while the run goes (progress, a replica's poll from another thread), so set up front.
         self.engine_s = 0.0             # inside engine.step()
         self.loop_s = 0.0               # the engine loop's wall time
@@ -236,6 +231,8 @@ class JobRunner:
                 os._exit(EXIT_INTERRUPTED)
             self.stop_reason = signal.Signals(signum).name
             self.stop.set()
+            if self._starting:       # loading weights can take minutes: stop it, not just what follows
+                raise StartupInterrupted(self.stop_reason)
         return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 
     @staticmethod
@@ -268,11 +265,20 @@ class JobRunner:
         writer.start()
         bar = self._bar()
         try:
-            self.engine = self.engine_factory(self.plan.tokenizer)
+            self._starting = True        # a signal now stops the weight load itself (the handler raises)
+            try:
+                self.engine = self.engine_factory(self.plan.tokenizer)
+            except StartupInterrupted:
+                self._check_stop()
+                raise
+            finally:
+                self._starting = False
             self.memory_ledger = dict(self.engine.memory_ledger)
             self._engine_loop(read_q, write_q, bar)
         finally:
             self._stop_reading = True
+            # joined on every path: a reader left inside pyarrow when the interpreter exits can hang it
+            reader.join(READER_JOIN_S)
             self._put(write_q, _END, force=True)
             writer.join()
             if hasattr(self, "engine"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import os
 import re
 import string
@@ -206,7 +207,15 @@ def _format_errors(err: ValidationError, source: str) -> str:
         else:
             msg = e["msg"].removeprefix("Value error, ")
             lines.append(f"{path}: {msg}")
-    return f"{source}: invalid job file:\n  " + "\n  ".join(lines)
+    return f"{source}: invalid job file: " + "; ".join(lines)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """`line 3, column 7: mapping values are not allowed here`: where and what, on one line."""
+    mark = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or str(e)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return " ".join(f"{where}{what}".split())
 
 
 def apply_override(data: dict, assignment: str) -> None:
@@ -215,12 +224,17 @@ def apply_override(data: dict, assignment: str) -> None:
         raise JobError(f"--set {assignment!r}: expected key.path=value")
     key, raw = assignment.split("=", 1)
     parts = key.strip().split(".")
+    if not all(parts):
+        raise JobError(f"--set {assignment!r}: expected key.path=value (an empty key name)")
     node = data
-    for p in parts[:-1]:
+    for i, p in enumerate(parts[:-1]):
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
-            raise JobError(f"--set {key}: {p} is not a mapping")
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+            raise JobError(f"--set {key}: {'.'.join(parts[:i + 1])} is not a mapping")
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise JobError(f"--set {key}: the value {raw!r} is not valid YAML ({_yaml_problem(e)})") from None
 
 
 def _resolve(path: str, base: str) -> str:
@@ -243,11 +257,17 @@ def parse_job(data: Any, source: str = "<job>", base_dir: str = ".") -> JobSpec:
     spec.output.uri = _resolve(spec.output.uri, base_dir)
     spec.input.template_fields()
     _check_storage(spec, source)
+    _check_output_location(spec, source)
     try:
         spec.sampling_params()
         EngineConfig(model=spec.model.path, dtype=spec.model.dtype, **spec.engine_kwargs())
     except (ValueError, TypeError) as e:
         raise JobError(f"{source}: {e}") from None
+    try:      # read only when the engine starts: a bad value would surface after the output is touched
+        from batchrun.engine.speculative import SpecConfig
+        SpecConfig.from_dict(spec.engine.speculative_config)
+    except (ValueError, TypeError) as e:
+        raise JobError(f"{source}: engine.speculative_config: {e}") from None
     return spec
 
 
@@ -270,6 +290,25 @@ def _check_storage(spec: JobSpec, source: str) -> None:
         raise JobError(f"{source}: {e}") from None
 
 
+def _check_output_location(spec: JobSpec, source: str) -> None:
+    """output.uri must not be where input.uri lists its files from: the next submit would read the
+    results back as input (and refuse the changed listing). A `_`- or `.`-named folder is never listed."""
+    if spec.input.uri is None:
+        return
+    out = spec.output.uri.removeprefix("file://").rstrip("/")
+    inp = spec.input.uri.removeprefix("file://").rstrip("/")
+    if any(ch in inp for ch in "*?["):       # segment by segment: a glob's `*` stops at `/` unless `**`
+        part, pattern = f"{out}/part-000000.parquet".split("/"), inp.split("/")
+        inside = fnmatch.fnmatchcase("/".join(part), inp) if "**" in inp else \
+            len(part) == len(pattern) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(part, pattern))
+    else:
+        rest = out[len(inp):].lstrip("/") if out == inp or out.startswith(inp + "/") else None
+        inside = rest is not None and not any(p.startswith(("_", ".")) for p in rest.split("/") if p)
+    if inside:
+        raise JobError(f"{source}: output.uri {spec.output.uri} lies inside input.uri {spec.input.uri}: its "
+                       "part files would be read back as input; use another folder (or one named _out)")
+
+
 def load_job(path: str, overrides: Union[list[str], tuple[str, ...]] = ()) -> JobSpec:
     """Read and validate a job file, applying `--set` overrides first."""
     try:
@@ -277,9 +316,17 @@ def load_job(path: str, overrides: Union[list[str], tuple[str, ...]] = ()) -> Jo
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise JobError(f"{path}: no such job file") from None
+    except IsADirectoryError:
+        raise JobError(f"{path}: is a directory, not a job file") from None
+    except OSError as e:          # unreadable (permissions, I/O): nothing else can be read either
+        raise JobError(f"{path}: cannot read the job file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise JobError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     except yaml.YAMLError as e:
-        raise JobError(f"{path}: not valid YAML ({e})") from None
+        raise JobError(f"{path}: not valid YAML ({_yaml_problem(e)})") from None
     data = data if data is not None else {}
+    if not isinstance(data, dict):      # before --set, which walks mappings
+        raise JobError(f"{path}: a job file is a YAML mapping, found a {type(data).__name__}")
     for o in overrides:
         apply_override(data, o)
     return parse_job(data, path, os.path.dirname(os.path.abspath(path)))

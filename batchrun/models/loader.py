@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -64,9 +65,26 @@ class ModelInfo:
 def _read_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f)
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}: not valid JSON ({e})") from e
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from e
+    if not isinstance(data, dict):
+        raise ModelError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+@contextmanager
+def _safetensors(file: str):
+    """safe_open(file), its failures (a header cut short, offsets past the end of the file) a ModelError
+    naming the file, and the tensor when the failure is in one."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(file, framework="pt") as sf:
+            yield sf
+    except SafetensorError as e:
+        raise ModelError(f"{file}: not a readable safetensors file, truncated or corrupt ({e})") from e
 
 
 def _weight_files(path: str) -> list[str]:
@@ -101,10 +119,9 @@ _ST_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 
 
 def _scan_safetensors(files: list[str]) -> tuple[int, dict[str, tuple[int, int]]]:
     """(parameter count, on-disk dtype -> (tensors, bytes)) from the safetensors headers alone."""
-    from safetensors import safe_open
     total, types = 0, {}
     for f in files:
-        with safe_open(f, framework="pt") as sf:  # reads the header only
+        with _safetensors(f) as sf:  # reads the header only
             for name in sf.keys():
                 sl = sf.get_slice(name)
                 n = 1
@@ -184,11 +201,14 @@ def iter_weights(info: ModelInfo) -> Iterator[tuple[str, torch.Tensor]]:
         from batchrun.models.gguf import iter_gguf_weights
         yield from iter_gguf_weights(info)
         return
-    from safetensors import safe_open
     for f in info.weight_files:
-        with safe_open(f, framework="pt") as sf:
+        with _safetensors(f) as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                try:
+                    tensor = sf.get_tensor(name)
+                except Exception as e:   # noqa: BLE001 - safetensors raises several types on bad bytes
+                    raise ModelError(f"{f}: tensor {name!r} cannot be read ({type(e).__name__}: {e})") from e
+                yield name, tensor
 
 
 def load_weights(model: torch.nn.Module, info: ModelInfo) -> None:
