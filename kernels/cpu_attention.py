@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 NAME = "batchrun_cpu_attention"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "cpu_attention.cpp"
-# one library: the attention op, the layer's elementwise ops (cpu_layer_ops.py) and their shared header
-EXTRA_SOURCES = [CSRC / "cpu_layer_ops.cpp"]
+# one library: the attention op, the layer's elementwise ops (cpu_layer_ops.py), the bf16 projection
+# (cpu_gemm.py) and their shared header
+EXTRA_SOURCES = [CSRC / "cpu_layer_ops.cpp", CSRC / "cpu_gemm.cpp"]
 HEADERS = [CSRC / "vec.h"]
 # -O2: the hot loops use explicit vector types, so -O3 buys nothing here but triples the build time.
 # No -march: the source compiles its kernel for several ISAs and picks one at run time. Threads come from
@@ -155,6 +156,10 @@ def _register_fake() -> None:
         @torch.library.register_fake("batchrun_cpu::rope_")
         def _(q, k, cos_sin, positions):
             return None
+
+        @torch.library.register_fake("batchrun_cpu::bf16_linear")
+        def _(x, wp, n):
+            return x.new_empty((x.shape[0], n))
 
         @torch.library.register_fake("batchrun_cpu::silu_mul")
         def _(gate_up):

@@ -1,24 +1,30 @@
-"""Projection weights in oneDNN's packed layout on CPU: a transform applied to a loaded model.
+"""Projection weights packed once at load on CPU: a transform applied to a loaded model.
 
-torch's plain bf16 `F.linear` on CPU is slow for the few-row products of a decode step (measured on an
-AVX-512 BF16 host: 2.5x slower than the same product through oneDNN with a pre-packed weight at one row,
-2.2x at 4, 1.2x at 64, with bit-identical results). pack_linear_weights() reorders every projection
-weight (and the logits weight) once at load into that layout; linear() is F.linear for plain weights and
-oneDNN's linear for packed ones, so the model's math reads the same either way.
-BATCHRUN_CPU_PACKED_LINEAR=0 keeps torch's plain F.linear (the reference).
+torch's plain bf16 `F.linear` on CPU is slow for the few-row products of a decode step. pack_linear_weights()
+reorders every projection weight (and the logits weight) once at load: on an AVX-512 BF16 CPU into the layout
+of batchrun's own kernel (kernels/cpu_gemm.py), which reads a decode step's weights at close to memory speed
+and keeps up with oneDNN at many rows; elsewhere into oneDNN's packed layout (2.5x faster than F.linear at
+one row, 1.2x at 64, bit-identical). linear() dispatches on the weight's form, so the model's math reads the
+same either way. BATCHRUN_CPU_PACKED_LINEAR=0 keeps torch's plain F.linear (the reference);
+BATCHRUN_CPU_GEMM=onednn uses oneDNN's layout even where the own kernel runs.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 from torch import nn
 
 PACKED_LINEAR_ENV = "BATCHRUN_CPU_PACKED_LINEAR"
+GEMM_ENV = "BATCHRUN_CPU_GEMM"      # "onednn": oneDNN's packed layout even where batchrun's own kernel runs
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [T, in] @ w[out, in].T + b -> [T, out]; w plain or packed by pack_linear_weights()."""
+    if w.dim() == 4:               # cpu_gemm's layout: [out/16, in/2, 16, 2]
+        y = torch.ops.batchrun_cpu.bf16_linear(x if x.stride(-1) == 1 else x.contiguous(), w, w.shape[0] * 16)
+        return y if b is None else y.add_(b)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
     return nn.functional.linear(x, w, b)
@@ -31,7 +37,20 @@ def packing_supported(dtype: torch.dtype) -> bool:
 
 
 def pack(w: torch.Tensor, batch_hint: int) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), batch_hint)
+    """w [out, in] in the fastest layout this CPU has: batchrun's own (kernels/cpu_gemm.py: AVX-512 BF16,
+    out a multiple of 16) unless BATCHRUN_CPU_GEMM=onednn, else oneDNN's packed one."""
+    w = w.detach().contiguous()
+    if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0 and _own_gemm():
+        from batchrun.kernels import cpu_gemm
+        return cpu_gemm.pack(w)
+    return torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+
+
+def _own_gemm() -> bool:
+    if os.environ.get(GEMM_ENV, "own") == "onednn":
+        return False
+    from batchrun.kernels import cpu_gemm
+    return cpu_gemm.supported()
 
 
 def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:

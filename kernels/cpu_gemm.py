@@ -1,0 +1,42 @@
+"""bfloat16 projections on AVX-512 BF16 CPUs from a weight packed once at load: a compiled op.
+
+oneDNN's bf16 GEMM (what torch runs, with or without its packed layout) reads a decode step's weights at
+about half this machine kind's memory bandwidth when the step has one or a few rows; this op reads them at
+close to it and matches oneDNN from tens of rows up (csrc/cpu_gemm.cpp says how). pack(w [n, K]) ->
+[ceil(n/16), K/2, 16, 2] pairs each 16 output rows' K values for VDPBF16PS; linear(x, wp, n) = x @ w.T.
+Float accumulation, one rounding at the end: the reference is torch's F.linear on the unpacked weight
+(results differ only in the order of the float sums). Built into cpu_attention.py's library.
+"""
+from __future__ import annotations
+
+import torch
+
+from batchrun.kernels import cpu_attention
+
+
+def supported() -> bool:
+    """The op is built and this CPU has AVX-512 BF16."""
+    return cpu_attention.load() and bool(torch.ops.batchrun_cpu.bf16_linear_supported())
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [n, K] bfloat16, K even -> [ceil(n/16), K/2, 16, 2]: wp[b, p, j, t] = w[16 b + j, 2 p + t], rows past
+    n zero."""
+    n, k = w.shape
+    if k % 2:
+        raise ValueError(f"cpu_gemm.pack: K={k} must be even")
+    blocks = -(-n // 16)
+    padded = torch.zeros(blocks * 16, k, dtype=w.dtype)
+    padded[:n] = w
+    return padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack(wp: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack: [n, K]."""
+    blocks, kp = wp.shape[:2]
+    return wp.permute(0, 2, 1, 3).reshape(blocks * 16, 2 * kp)[:n]
+
+
+def linear(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] bfloat16 (contiguous rows) @ w.T -> [M, n], wp = pack(w)."""
+    return torch.ops.batchrun_cpu.bf16_linear(x, wp, n)

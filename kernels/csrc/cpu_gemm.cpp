@@ -1,0 +1,155 @@
+// bfloat16 projections on AVX-512 BF16 CPUs from a weight packed once at load (batchrun.kernels.cpu_gemm).
+//
+// batchrun_cpu::bf16_linear(x [M, K] bf16, wp [NB, K/2, 16, 2] bf16, n) -> [M, n] bf16 = x @ w.T
+//
+// wp holds w [n, K] in pairs along K for VDPBF16PS: wp[b, p, j, t] = w[16 b + j, 2 p + t] (rows past n are
+// zero). One instruction multiplies a broadcast pair of x by 16 output rows' pairs and adds into 16 float
+// accumulators, so a tile of MR rows x NB blocks of 16 outputs keeps MR x NB accumulators in registers and
+// reads each weight vector once for all MR rows. Threads split the output blocks: at one row (a decode step
+// at batch 1) every weight byte is read once, in NB sequential streams per thread, at memory speed; at many
+// rows a thread's blocks (NB x 16 outputs x K) stay in L2 while it walks the row tiles. Float accumulation,
+// one rounding to bfloat16 at the end (the products are exact; only the order of the sums differs from
+// torch's F.linear, the reference).
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define BR_GEMM_X86 1
+#endif
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+constexpr int NB = 4;   // output blocks of 16 per tile: 64 outputs
+constexpr int MR = 6;   // rows per tile: 6 x 4 accumulators + 4 weight vectors + 1 broadcast <= 32 zmm
+
+#ifdef BR_GEMM_X86
+#define BR_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+// rows [m0, m0 + R) x blocks [b0, b0 + B) of the output; R <= MR, B <= NB
+template <int R, int B>
+BR_BF16_TARGET inline void tile(const uint16_t* __restrict__ x, int64_t xs, const uint16_t* __restrict__ wp,
+                                int64_t KP, int64_t b0, uint16_t* __restrict__ out, int64_t os, int64_t n) {
+  __m512 acc[R][B];  // fully unrolled below, so these stay in registers
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  const uint16_t* w0 = wp + b0 * KP * 32;
+  for (int64_t p = 0; p < KP; ++p) {
+    __m512i w[B];
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) w[b] = _mm512_loadu_si512(w0 + (b * KP + p) * 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      __builtin_memcpy(&pair, x + r * xs + 2 * p, 4);
+      const __m512i xv = _mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b)
+        acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)w[b]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) {
+      const int64_t col = (b0 + b) * 16;
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(acc[r][b]);
+      const int64_t left = n - col;
+      if (left >= 16) _mm256_storeu_si256((__m256i*)(out + r * os + col), v);
+      else _mm256_mask_storeu_epi16(out + r * os + col, (__mmask16)((1u << left) - 1), v);
+    }
+}
+
+template <int R>
+BR_BF16_TARGET inline void row_tile(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t KP, int64_t b0,
+                                    int64_t nb, uint16_t* out, int64_t os, int64_t n) {
+  switch (nb) {
+    case 4: return tile<R, 4>(x, xs, wp, KP, b0, out, os, n);
+    case 3: return tile<R, 3>(x, xs, wp, KP, b0, out, os, n);
+    case 2: return tile<R, 2>(x, xs, wp, KP, b0, out, os, n);
+    default: return tile<R, 1>(x, xs, wp, KP, b0, out, os, n);
+  }
+}
+
+// output block groups [g0, g1) (NB blocks each, the last one maybe fewer) for all M rows
+BR_BF16_TARGET void run_groups(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t KP,
+                               int64_t blocks, uint16_t* out, int64_t os, int64_t n, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t b0 = g * NB, nb = std::min<int64_t>(NB, blocks - b0);
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) row_tile<MR>(x + m * xs, xs, wp, KP, b0, nb, out + m * os, os, n);
+    const uint16_t* xr = x + m * xs;
+    uint16_t* o = out + m * os;
+    switch (M - m) {
+      case 5: row_tile<5>(xr, xs, wp, KP, b0, nb, o, os, n); break;
+      case 4: row_tile<4>(xr, xs, wp, KP, b0, nb, o, os, n); break;
+      case 3: row_tile<3>(xr, xs, wp, KP, b0, nb, o, os, n); break;
+      case 2: row_tile<2>(xr, xs, wp, KP, b0, nb, o, os, n); break;
+      case 1: row_tile<1>(xr, xs, wp, KP, b0, nb, o, os, n); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+bool supported() {
+#ifdef BR_GEMM_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) {
+  STD_TORCH_CHECK(supported(), "bf16_linear: this CPU has no AVX-512 BF16");
+  STD_TORCH_CHECK(x.is_cpu() && wp.is_cpu() && x.scalar_type() == ScalarType::BFloat16 &&
+                      wp.scalar_type() == ScalarType::BFloat16,
+                  "bf16_linear: bfloat16 CPU tensors only");
+  STD_TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "bf16_linear: x must be [M, K] with contiguous rows");
+  STD_TORCH_CHECK(wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 2 && wp.is_contiguous(),
+                  "bf16_linear: wp must be a contiguous [blocks, K/2, 16, 2] (cpu_gemm.pack)");
+  const int64_t M = x.size(0), K = x.size(1), blocks = wp.size(0), KP = wp.size(1);
+  STD_TORCH_CHECK(K == 2 * KP, "bf16_linear: x has K=", K, " but the packed weight ", 2 * KP);
+  STD_TORCH_CHECK(n > (blocks - 1) * 16 && n <= blocks * 16, "bf16_linear: n=", n, " does not match ", blocks,
+                  " blocks of 16");
+  Tensor out = torch::stable::new_empty(x, {M, n});
+#ifdef BR_GEMM_X86
+  if (M == 0) return out;
+  const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* w = static_cast<const uint16_t*>(wp.data_ptr());
+  uint16_t* o = static_cast<uint16_t*>(out.data_ptr());
+  const int64_t xs = x.stride(0), os = out.stride(0), groups = (blocks + NB - 1) / NB;
+  auto body = [&](int64_t g0, int64_t g1) { run_groups(xp, xs, M, w, KP, blocks, o, os, n, g0, g1); };
+  // a few microseconds of work per group at one row: hand threads contiguous halves, not single groups
+  if (groups * M * K < (1 << 14)) body(0, groups);
+  else torch::stable::parallel_for(0, groups, 1, body);
+#endif
+  return out;
+}
+
+bool bf16_linear_supported() { return supported(); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
+  m.def("bf16_linear(Tensor x, Tensor wp, int n) -> Tensor");
+  m.def("bf16_linear_supported() -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) { m.impl("bf16_linear", TORCH_BOX(&bf16_linear)); }
+
+STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CompositeExplicitAutograd, m) {
+  m.impl("bf16_linear_supported", TORCH_BOX(&bf16_linear_supported));
+}

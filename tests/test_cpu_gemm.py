@@ -1,0 +1,75 @@
+"""batchrun's bf16 projection kernel (batchrun.kernels.cpu_gemm) against float64 products and torch's F.linear,
+the reference: within the float-accumulation bound of a K-term sum plus one bfloat16 rounding, on the row
+counts of decode steps and prefill chunks (every tile remainder), output widths with a partial last block,
+strided rows; then the engine with its weights in this layout."""
+import pytest
+import torch
+
+from batchrun import LLM, SamplingParams
+from batchrun.kernels import cpu_gemm
+from batchrun.models.cpu_linear import GEMM_ENV, linear, pack
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.supported(), reason="this CPU has no AVX-512 BF16")
+
+
+def within_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """|got - x @ w.T| <= one bf16 rounding of the result + K float32 roundings of the running sum."""
+    exact = x.double() @ w.double().T
+    K = x.shape[1]
+    bound = 2.0 ** -8 * exact.abs() + K * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 12, 13, 64, 301])
+@pytest.mark.parametrize("N,K", [(16, 2), (48, 64), (100, 64), (960, 576), (576, 1536)])
+def test_linear_is_the_product_within_rounding(M, N, K):
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
+    x = (torch.randn(M, K + 6, generator=g)).to(torch.bfloat16)[:, 3:3 + K]      # strided rows
+    wp = cpu_gemm.pack(w)
+    assert wp.shape == (-(-N // 16), K // 2, 16, 2) and torch.equal(cpu_gemm.unpack(wp, N), w)
+    got = cpu_gemm.linear(x, wp, N)
+    assert got.shape == (M, N) and got.dtype == torch.bfloat16
+    within_bound(got, x, w)
+    ref = torch.nn.functional.linear(x, w)
+    within_bound(ref, x, w)                                          # the bound is one torch meets too
+    assert (got.float() - ref.float()).abs().max() <= 2.0 ** -6 * ref.float().abs().max()
+
+
+def test_bias_and_the_model_side_dispatch():
+    w = (torch.randn(64, 32) * 0.1).to(torch.bfloat16)
+    b = torch.randn(64).to(torch.bfloat16)
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    wp = pack(w, 8)
+    assert wp.dim() == 4                                             # batchrun's layout, not oneDNN's
+    within_bound(linear(x, wp), x, w)
+    ref = torch.nn.functional.linear(x, w, b)
+    assert (linear(x, wp, b).float() - ref.float()).abs().max() <= 2.0 ** -6 * ref.float().abs().max()
+
+
+def test_bad_arguments_are_refused():
+    wp = cpu_gemm.pack(torch.zeros(32, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K=6"):
+        cpu_gemm.linear(torch.zeros(2, 6, dtype=torch.bfloat16), wp, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_gemm.linear(torch.zeros(2, 8), wp, 32)
+    with pytest.raises(RuntimeError, match="n=40"):
+        cpu_gemm.linear(torch.zeros(2, 8, dtype=torch.bfloat16), wp, 40)
+    with pytest.raises(ValueError, match="even"):
+        cpu_gemm.pack(torch.zeros(16, 7, dtype=torch.bfloat16))
+
+
+def test_bf16_engine_runs_on_the_own_layout_and_agrees_with_onednn(hf_models, monkeypatch):
+    """The same bf16 model in both layouts: the first token of every prompt (one prefill each) is the same;
+    later tokens may part after a near-tie (the float sums run in another order)."""
+    path = hf_models["llama"][0]
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], list(range(10, 60)), [3] * 20)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    own = LLM(path, dtype="bfloat16", max_num_seqs=4)
+    assert own.engine.runner.model.layers[0].mlp.down_proj.weight.dim() == 4
+    monkeypatch.setenv(GEMM_ENV, "onednn")
+    onednn = LLM(path, dtype="bfloat16", max_num_seqs=4)
+    assert onednn.engine.runner.model.layers[0].mlp.down_proj.weight.is_mkldnn
+    a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (own, onednn))
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]
