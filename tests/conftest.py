@@ -85,16 +85,17 @@ def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     return out
 
 
-def assert_same_greedy_with_env_off(path: str, monkeypatch, env: str, ledger_key: str, dtype: str = "bfloat16"):
+def assert_same_greedy_with_env_off(path: str, monkeypatch, env: str, ledger_key: str, dtype: str = "bfloat16",
+                                    **engine_kwargs):
     """An engine feature a variable turns off (a CPU fast path): greedy tokens with it on (the default) equal
-    those with `env`=0, and the memory ledger says which ran."""
+    those with `env`=0, and the memory ledger says which ran. engine_kwargs: EngineConfig fields for both."""
     from batchrun import LLM, SamplingParams
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], list(range(10, 60)), [3] * 20)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    on = LLM(path, dtype=dtype, max_num_seqs=4)
+    on = LLM(path, dtype=dtype, max_num_seqs=4, **engine_kwargs)
     assert on.engine.memory_ledger[ledger_key] is True
     monkeypatch.setenv(env, "0")
-    off = LLM(path, dtype=dtype, max_num_seqs=4)
+    off = LLM(path, dtype=dtype, max_num_seqs=4, **engine_kwargs)
     assert off.engine.memory_ledger[ledger_key] is False
     a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (on, off))
     assert [x.token_ids for x in a] == [y.token_ids for y in b]

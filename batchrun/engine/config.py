@@ -38,6 +38,11 @@ class EngineConfig:
         kernels run only under TRITON_INTERPRET=1: a test path, not a fast one).
     device: "auto", "cpu" or "cuda".
     seed: seed of the global sampler generator (requests with a seed use their own).
+    quantization: weight-only quantization of the linear layers at load (models/quant.py): None, "int8"
+        (per-output-channel symmetric), "int4" (group-wise asymmetric) or "gguf" (a GGUF file's Q4_0/Q4_1/Q8_0
+        weights kept quantized); activations stay in `dtype`. CPU only.
+    quantization_group_size: int4 group along the input dim: 32, 64 or 128 (it must divide every layer).
+    quantize_lm_head: quantize the logits weight too (a tied model keeps its embedding for lookups).
     """
 
     model: str = ""
@@ -59,6 +64,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "auto"
     seed: int = 0
+    quantization: Optional[str] = None
+    quantization_group_size: int = 128
+    quantize_lm_head: bool = False
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -85,6 +93,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.quantization not in (None, "int8", "int4", "gguf"):
+            raise ValueError(f"quantization must be null, int8, int4 or gguf, got {self.quantization!r}")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
 
     def resolved(self, device_type: str) -> "EngineConfig":
         """A copy with every device-dependent default (None) filled in for `device_type` ("cpu" or "cuda")."""

@@ -24,6 +24,7 @@ from batchrun.models.cpu_fused import fused_ops_supported, use_fused_layer_ops
 from batchrun.models.cpu_linear import PACKED_LINEAR_ENV, pack_linear_weights, packing_supported
 from batchrun.models.llama import LlamaModel
 from batchrun.models.loader import ModelError, ModelInfo, load_weights
+from batchrun.models.quant import apply_quantization, check_quantization, kernels_enabled
 from batchrun.models.rope import cos_sin_cache, rope_params
 
 log = logging.getLogger("batchrun")
@@ -95,13 +96,23 @@ class ModelRunner:
         if config.kv_cache_memory is not None:        # refuse before any weight is read
             self._check_fits_one_sequence(int(config.kv_cache_memory), info.kv_bytes_per_token(self.dtype), per_seq,
                                           max_model_len)
+        self.quantization = config.quantization
+        try:
+            check_quantization(config.quantization, config.quantization_group_size, info, self.device)
+        except ValueError as e:
+            raise ModelError(str(e)) from e
         with torch.device("meta"), _default_dtype(self.dtype):
             model = LlamaModel(dict(info.config), arch, max_model_len)
         model.to_empty(device=self.device)
         model.cos_sin = cos_sin_cache(model.layers[0].self_attn.head_dim, params, max_model_len).to(self.device)
         load_weights(model, info)
         self.model = model.eval()
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        quant_bytes = 0
+        if self.quantization:      # weight-only int8/int4 linear layers (models/quant.py)
+            quant_bytes = apply_quantization(model, info, self.quantization, config.quantization_group_size,
+                                             config.quantize_lm_head, self.dtype)
+        self.quantized_bytes = quant_bytes
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + quant_bytes
         self.backend = self._select_backend()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
@@ -135,7 +146,8 @@ class ModelRunner:
         self.forward_s = 0.0          # model forward + logits, summed over steps (host overhead = step - this)
         self._bufs_cap = (0, 0, 0)
         self._h2d_done = None
-        self.compiled = bool(config.compile and not config.enforce_eager and self.device.type == "cpu")
+        self.compiled = bool(config.compile and not config.enforce_eager and self.device.type == "cpu"
+                             and not self.quantization)     # dynamo would trace the quantized weights' objects
         if self.compiled:
             self.model.compile_dense()
         # bf16 projections through oneDNN's packed layout (models/cpu_linear.py); off under torch.compile
@@ -248,6 +260,8 @@ class ModelRunner:
             "compiled": self.compiled,
             "packed_linear": self.packed_linear, "packed_extra_bytes": self.packed_extra_bytes,
             "fused_layer_ops": self.fused_layer_ops,
+            "quantization": self.quantization, "quantized_bytes": self.quantized_bytes,
+            "quant_kernels": bool(self.quantization) and kernels_enabled(),
         }
 
     def _buffers(self, T: int, B: int, W: int) -> None:

@@ -91,6 +91,14 @@ def check_model_settings(spec: JobSpec, model: ModelInfo) -> None:
         where = "the GGUF metadata" if model.format == "gguf" else os.path.join(model.path, "config.json")
         raise JobError(f"engine.max_model_len: {asked} exceeds the model's {model.max_model_len} "
                        f"(max_position_embeddings in {where})")
+    q = spec.engine.quantization
+    if q is not None and not (q == "gguf" and model.format != "gguf"):    # device and gguf: at engine start
+        try:
+            from batchrun.models.quant import check_group_size
+            if q == "int4":
+                check_group_size(model.config, spec.engine.quantization_group_size)
+        except ValueError as e:
+            raise JobError(f"engine.{e}") from None
 
 
 def check_columns(spec: JobSpec, source: Source) -> None:
@@ -131,6 +139,15 @@ def _sha256_file(path: str) -> Optional[str]:
         return None
 
 
+def _quantization_fp(spec: JobSpec) -> dict[str, Any]:
+    """Quantization changes the outputs as dtype does; only when set, so unquantized manifests stay valid."""
+    e = spec.engine
+    if e.quantization is None:
+        return {}
+    return {"quantization": e.quantization, "quantize_lm_head": e.quantize_lm_head,
+            **({"quantization_group_size": e.quantization_group_size} if e.quantization == "int4" else {})}
+
+
 def job_fingerprint(spec: JobSpec, source: Source, model: ModelInfo) -> dict[str, Any]:
     """The identity of a job's results. Resuming is allowed only when every component is unchanged.
 
@@ -147,7 +164,8 @@ def job_fingerprint(spec: JobSpec, source: Source, model: ModelInfo) -> dict[str
             "tokenizer_sha256": {n: h for n in TOKENIZER_FILES
                                  if (h := _sha256_file(os.path.join(model.path, n))) is not None}}
     return {
-        "model": model_fp | {"dtype": spec.model.dtype, "max_model_len": spec.engine.max_model_len},
+        "model": model_fp | {"dtype": spec.model.dtype, "max_model_len": spec.engine.max_model_len}
+        | _quantization_fp(spec),
         "sampling": spec.sampling.model_dump(mode="json"),
         "prompt": {k: getattr(inp, k) for k in ("id_column", "prompt_column", "messages_column",
                                                 "prompt_template", "chat", "system_prompt", "passthrough")}

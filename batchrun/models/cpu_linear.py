@@ -16,12 +16,17 @@ from typing import Optional
 import torch
 from torch import nn
 
+from batchrun.models.quant import QuantizedWeight
+
 PACKED_LINEAR_ENV = "BATCHRUN_CPU_PACKED_LINEAR"
 GEMM_ENV = "BATCHRUN_CPU_GEMM"      # "onednn": oneDNN's packed layout even where batchrun's own kernel runs
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [T, in] @ w[out, in].T + b -> [T, out]; w plain or packed by pack_linear_weights()."""
+    """x [T, in] @ w[out, in].T + b -> [T, out]; w plain, packed by pack_linear_weights(), or quantized
+    (models/quant.py)."""
+    if isinstance(w, QuantizedWeight):
+        return w.linear(x, b)
     if w.dim() == 4:               # cpu_gemm's layout: [out/16, in/2, 16, 2]
         y = torch.ops.batchrun_cpu.bf16_linear(x if x.stride(-1) == 1 else x.contiguous(), w, w.shape[0] * 16)
         return y if b is None else y.add_(b)
@@ -58,12 +63,12 @@ def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
     inference only) and give the model a packed logits weight (a copy when it is tied to the embedding,
     which lookups still read). Returns the bytes the packed copies add (0 unless the embedding is tied)."""
     for mod in model.modules():
-        if isinstance(mod, nn.Linear):
+        if isinstance(mod, nn.Linear) and isinstance(mod.weight, torch.Tensor):   # not a quantized one
             packed = pack(mod.weight, batch_hint)
             del mod._parameters["weight"]
             mod.register_buffer("weight", packed, persistent=False)
     added = 0
-    if getattr(model, "tie_word_embeddings", False):
+    if getattr(model, "tie_word_embeddings", False) and not hasattr(model, "logits_weight"):
         w = model.embed_tokens.weight
         model.logits_weight = pack(w, batch_hint)
         added = w.numel() * w.element_size()

