@@ -74,7 +74,7 @@ def _content_words(text: str) -> set[str]:
 def test_real_demo_submit_writes_readable_summaries(tmp_path):
     d = str(tmp_path / "d")
     job = write_real_demo_job(d, GGUF, rows=12)
-    r = cli("submit", job, "--set", "sampling.max_tokens=40", timeout=600)
+    r = cli("submit", job, "--set", "sampling.max_tokens=48", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = duckdb.sql(f"SELECT p.text, o.output, o.finish_reason, o.error FROM read_parquet('{d}/out/*.parquet') o "
                       f"JOIN read_parquet('{d}/prompts.parquet') p USING (id) ORDER BY id").fetchall()
