@@ -4,6 +4,7 @@ import sys
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
+from batchrun.outputs import SamplingParams
 
 
 def make(kv_blocks=64, block_size=4, max_num_seqs=8, max_tokens=16):
@@ -11,19 +12,16 @@ def make(kv_blocks=64, block_size=4, max_num_seqs=8, max_tokens=16):
     return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, watermark=0.0)
 
 
-def seq(rid, n):
-    return Sequence(rid, list(range(1, n + 1)), None)
+def seq(rid, n, max_tokens=10**6):
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 def run_step(s: Scheduler, sample_token=7):
-    """Apply one schedule as the engine does: computed tokens advance, sampling entries grow by one."""
+    """One step as the engine runs it: schedule, then the scheduler's own update with one sampled token for
+    each entry that reaches its sequence's end."""
     out = s.schedule()
     plan = [(e.seq.request_id, e.num_new_tokens, e.samples) for e in out.scheduled]
-    for e in out.scheduled:
-        samples = e.samples
-        e.seq.num_computed_tokens += e.num_new_tokens
-        if samples:
-            e.seq.token_ids.append(sample_token)
+    s.update(out, {id(e): [sample_token] for e in out.scheduled if e.samples}, now=0.0)
     return plan, out
 
 
@@ -169,3 +167,44 @@ def test_swapped_in_sequence_can_be_swapped_out_again_in_the_same_step():
     assert out.preempted == [b] and out.swap_out == [(2, 0)]
     assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 8)]
     assert a.block_table == [0, 1, 2, 3] and b.host_blocks == [0] and s.host_pool.num_free == 3
+
+
+def test_update_stops_on_max_tokens_a_stop_token_and_eos_and_releases_blocks():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0, eos_token_ids=[5])
+    a = seq("a", 3, max_tokens=2)
+    b = Sequence("b", [1, 2, 3], SamplingParams(max_tokens=100, stop_token_ids=[9], ignore_eos=True))
+    c = Sequence("c", [1, 2, 3], SamplingParams(max_tokens=100))           # stops at EOS
+    for q in (a, b, c):
+        s.add(q)
+    out = s.schedule()
+    assert s.update(out, {id(e): [7] for e in out.scheduled}, now=1.0) == []
+    out = s.schedule()
+    tokens = {"a": [7], "b": [5], "c": [5]}                                  # b ignores EOS, c does not
+    finished = s.update(out, {id(e): tokens[e.seq.request_id] for e in out.scheduled}, now=2.0)
+    assert [(q.request_id, q.finish_reason, q.finish_time) for q in finished] == [("a", "length", 2.0),
+                                                                               ("c", "stop", 2.0)]
+    assert s.running == [b] and b.first_token_time == 1.0
+    out = s.schedule()
+    assert [q.finish_reason for q in s.update(out, {id(out.scheduled[0]): [9]}, now=3.0)] == ["stop"]
+    assert not s.has_unfinished() and kv.pool.num_free == 64
+    assert b.output_token_ids == [7, 5, 9]
+
+
+def test_update_keeps_accepted_drafts_and_trims_the_rejected_ones():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0)
+    a = seq("a", 6)
+    s.add(a)
+    run_step(s)                                  # prefill: 6 computed, 7 tokens
+    a.draft = [11, 12, 13, 14]
+    out = s.schedule()
+    assert [(e.num_new_tokens, e.draft) for e in out.scheduled] == [(5, [11, 12, 13, 14])]
+    assert len(a.block_table) == 3               # room for 7 + 4 tokens
+    s.update(out, {id(out.scheduled[0]): [11, 12, 99]}, now=0.0)            # two drafts accepted
+    assert a.token_ids[6:] == [7, 11, 12, 99] and a.num_computed_tokens == 9
+    assert len(a.block_table) == 3 and s.counters["spec_proposed"] == 4 and s.counters["spec_accepted"] == 2
+    a.draft = [1, 2, 3, 4]
+    out = s.schedule()
+    s.update(out, {id(out.scheduled[0]): [8]}, now=0.0)                     # every draft rejected
+    assert a.num_computed_tokens == 10 and a.num_tokens == 11 and len(a.block_table) == 3   # trimmed from 4

@@ -1,4 +1,5 @@
-"""LLMEngine: add requests, then step() = schedule -> run -> sample -> update, until all finish."""
+"""LLMEngine: add requests, then step() = propose drafts -> schedule -> execute (forward + sample) -> the
+scheduler's update (tokens appended, stops checked, finished sequences released), until all finish."""
 from __future__ import annotations
 
 import logging
@@ -38,16 +39,17 @@ class LLMEngine:
         self.runner = ModelRunner(config, info, max_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         host_pool = BlockPool(self.runner.num_host_blocks) if self.runner.num_host_blocks else None
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   host_pool=host_pool, swap_min_tokens=config.swap_min_tokens)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   host_pool=host_pool, swap_min_tokens=config.swap_min_tokens,
+                                   eos_token_ids=self.eos_token_ids, max_model_len=max_len,
+                                   stop_strings=self._hit_stop_string)
         self.spec_config = SpecConfig.from_dict(config.speculative_config)
         self.proposer = NgramProposer(self.spec_config) if self.spec_config else None
         self._pending_errors: list[Sequence] = []
         self._arrivals = 0
         self._stats = {"steps": 0, "batched_tokens": 0, "prompt_tokens": 0, "output_tokens": 0,
-                       "requests": 0, "errors": 0, "decode_entries": 0, "decode_tokens": 0,
-                       "spec_proposed": 0, "spec_accepted": 0, "spec_steps_disabled": 0}
+                       "requests": 0, "errors": 0, "spec_steps_disabled": 0}
         self._step_s = 0.0          # wall time inside step(); minus the runner's forward_s: host overhead
         ledger = self.runner.memory_ledger
         log.info("memory ledger: weights %.1f MiB, KV %d B/token, %d blocks x %d tokens = %d tokens "
@@ -112,55 +114,32 @@ class LLMEngine:
             self._step_s += time.perf_counter() - t0
 
     def _step(self) -> list[RequestOutput]:
-        finished = self._pending_errors
-        self._pending_errors = []
+        finished, self._pending_errors = self._pending_errors, []
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
         if sched:
-            now = time.perf_counter()
-            for e in sched.scheduled:
-                if e.seq.first_scheduled_time is None:
-                    e.seq.first_scheduled_time = now
-            results = self.runner.execute(sched)
-            sampled = {id(e): tokens for e, tokens in results}
-            now = time.perf_counter()
-            for e in sched.scheduled:
-                seq = e.seq
-                tokens = sampled.get(id(e))
-                if tokens is None:                      # a prefill chunk short of the end
-                    seq.num_computed_tokens += e.num_new_tokens
-                    self.kv.publish_full_blocks(seq)
-                    continue
-                # K/V are valid for the fed tokens up to the last accepted draft
-                seq.num_computed_tokens += e.num_new_tokens - len(e.draft) + len(tokens) - 1
-                if e.draft:
-                    self._stats["spec_proposed"] += len(e.draft)
-                    self._stats["spec_accepted"] += len(tokens) - 1
-                    self.proposer.record(seq.spec, len(e.draft), len(tokens) - 1)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                elif e.num_new_tokens - len(e.draft) == 1:
-                    self._stats["decode_entries"] += 1
-                    self._stats["decode_tokens"] += len(tokens)
-                reason = None
-                for token in tokens:
-                    seq.token_ids.append(token)
-                    reason = self._stop_reason(seq, token)
-                    if reason:
-                        break
-                if reason:
-                    self.scheduler.finish(seq, reason)
-                    seq.finish_time = now
-                    finished.append(seq)
-                    continue
-                if e.draft:
-                    self.kv.trim(seq, seq.num_tokens)   # release the slots of rejected drafts
-                self.kv.publish_full_blocks(seq)
-            self.scheduler.remove_finished()
+            self._mark_scheduled(sched)
+            sampled = {id(e): tokens for e, tokens in self.runner.execute(sched)}
+            if self.proposer is not None:
+                self._record_drafts(sched, sampled)
+            finished += self.scheduler.update(sched, sampled, time.perf_counter())
             self._stats["steps"] += 1
             self._stats["batched_tokens"] += sched.num_batched_tokens
         return [self._output(s) for s in finished]
+
+    @staticmethod
+    def _mark_scheduled(sched) -> None:
+        now = time.perf_counter()
+        for e in sched.scheduled:
+            if e.seq.first_scheduled_time is None:
+                e.seq.first_scheduled_time = now
+
+    def _record_drafts(self, sched, sampled: dict) -> None:
+        """Each verified draft's acceptance, for the proposer's adaptive draft length."""
+        for e in sched.scheduled:
+            if e.draft and id(e) in sampled:
+                self.proposer.record(e.seq.spec, len(e.draft), len(sampled[id(e)]) - 1)
 
     def _propose(self) -> None:
         """Draft tokens for each decoding sequence, unless the batch is large enough to be compute-bound."""
@@ -174,16 +153,6 @@ class LLMEngine:
                 seq.spec = SeqSpecState()
             room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
             seq.draft = self.proposer.propose(seq.spec, seq.token_ids, room)
-
-    def _stop_reason(self, seq: Sequence, token: int) -> Optional[str]:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if p.stop and self._hit_stop_string(seq):
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         p = seq.params
@@ -221,7 +190,7 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict:
-        s = dict(self._stats)
+        s = dict(self._stats) | self.scheduler.counters
         s["tokens_per_step"] = s["batched_tokens"] / s["steps"] if s["steps"] else 0.0
         s["preemptions"] = self.scheduler.num_preemptions
         s["peak_blocks_used"] = self.kv.pool.peak_used

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from batchrun.engine.kv_cache import BlockPool, KVCacheManager
 from batchrun.engine.sequence import Sequence, SeqStatus
@@ -45,10 +45,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """schedule() picks a step's work; update() applies the step's sampled tokens and finishes sequences.
+
+    eos_token_ids, max_model_len and stop_strings (seq -> True when its text now holds a stop string, which
+    it then truncates) are what check_stop needs besides each sequence's own SamplingParams."""
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  watermark: float = 0.01, host_pool: Optional[BlockPool] = None,
-                 swap_min_tokens: int = 0):
+                 swap_min_tokens: int = 0, eos_token_ids=(), max_model_len: Optional[int] = None,
+                 stop_strings: Optional[Callable[[Sequence], bool]] = None):
         self.kv = kv
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.stop_strings = stop_strings
+        # tokens proposed/accepted by speculation, decode entries and the tokens they produced
+        self.counters = {"spec_proposed": 0, "spec_accepted": 0, "decode_entries": 0, "decode_tokens": 0}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.watermark_blocks = int(watermark * kv.num_blocks)
@@ -186,6 +197,60 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, list[int]], now: float) -> list[Sequence]:
+        """Apply one executed step: sampled maps id(entry) to its new tokens (the accepted drafts, then the
+        model's own token) for every entry that reached its sequence's end. Computed tokens advance, tokens
+        are appended up to a stop, rejected drafts' slots are trimmed, full blocks are published to the
+        prefix cache, finished sequences are released. Returns the sequences that finished."""
+        finished = []
+        kv, c = self.kv, self.counters
+        for e in out.scheduled:
+            seq = e.seq
+            tokens = sampled.get(id(e))
+            if tokens is None:                      # a prefill chunk short of the end
+                seq.num_computed_tokens += e.num_new_tokens
+                kv.publish_full_blocks(seq)
+                continue
+            # K/V are valid for the fed tokens up to the last accepted draft
+            seq.num_computed_tokens += e.num_new_tokens - len(e.draft) + len(tokens) - 1
+            if e.draft:
+                c["spec_proposed"] += len(e.draft)
+                c["spec_accepted"] += len(tokens) - 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            elif e.num_new_tokens - len(e.draft) == 1:
+                c["decode_entries"] += 1
+                c["decode_tokens"] += len(tokens)
+            reason = None
+            for token in tokens:
+                seq.token_ids.append(token)
+                reason = self.check_stop(seq, token)
+                if reason:
+                    break
+            if reason:
+                self.finish(seq, reason)
+                seq.finish_time = now
+                finished.append(seq)
+                continue
+            if e.draft:
+                kv.trim(seq, seq.num_tokens)       # release the slots of rejected drafts
+            kv.publish_full_blocks(seq)
+        self.remove_finished()
+        return finished
+
+    def check_stop(self, seq: Sequence, token: int) -> Optional[str]:
+        """"stop" (a stop token, EOS unless ignored, a stop string), "length" (max_tokens or the model's
+        length), or None to go on; `token` was just appended."""
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if p.stop and self.stop_strings is not None and self.stop_strings(seq):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or (self.max_model_len is not None
+                                                     and seq.num_tokens >= self.max_model_len):
+            return "length"
+        return None
 
     def finish(self, seq: Sequence, reason: str, error: Optional[str] = None) -> None:
         """Mark `seq` finished and release its blocks; call remove_finished() once per step after."""
