@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from batchrun import LLM, SamplingParams  # noqa: E402
-from batchrun.engine.attention import AttentionMetadata  # noqa: E402
+from batchrun.models.attention import AttentionMetadata  # noqa: E402
 
 
 def models(names: list[str]) -> dict[str, str]:

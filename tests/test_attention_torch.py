@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from batchrun.engine.attention import CPU_ATTENTION_ENV, SHORT_QUERY, AttentionMetadata, TorchAttentionBackend
+from batchrun.models.attention import CPU_ATTENTION_ENV, SHORT_QUERY, AttentionMetadata, TorchAttentionBackend
 
 
 def naive(q, k, v, scale, window):

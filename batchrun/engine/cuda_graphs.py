@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from batchrun.engine.attention import AttentionMetadata
+from batchrun.models.attention import AttentionMetadata
 from batchrun.engine.kv_cache import blocks_needed
 
 log = logging.getLogger("batchrun")

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from batchrun.engine.attention import AttentionMetadata, TorchAttentionBackend
+from batchrun.models.attention import AttentionMetadata, TorchAttentionBackend
 from batchrun.engine.config import EngineConfig, default_threads
 from batchrun.engine.kv_cache import blocks_needed
 from batchrun.engine.sampler import sample, verify_sampled
@@ -169,7 +169,7 @@ class ModelRunner:
         if choice == "auto":
             choice = "triton" if self.device.type == "cuda" else "torch"
         if choice == "triton":
-            from batchrun.engine.attention import TritonAttentionBackend
+            from batchrun.models.attention import TritonAttentionBackend
             return TritonAttentionBackend()
         return TorchAttentionBackend()
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import nn
 
-from batchrun.engine.attention import AttentionMetadata
+from batchrun.models.attention import AttentionMetadata
 from batchrun.models.cpu_linear import linear
 from batchrun.models.rope import cos_sin_cache, rope_params
 
