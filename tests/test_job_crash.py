@@ -12,7 +12,7 @@ import pytest
 
 from batchrun.job.run import EXIT_INTERRUPTED
 from test_job_common import job_for as common_job_for
-from test_job_common import cli, counts, popen_cli, reference_output, results, tiny_model  # noqa: F401
+from test_job_common import cli, counts, popen_cli, reference_output, results, tiny_model, wait_for  # noqa: F401
 
 N = 300
 UNITS = 12
@@ -91,10 +91,8 @@ def test_sigkill_at_a_random_moment_then_resume(setup, seed):
     after_units, extra_s = rng.randint(1, UNITS - 3), rng.uniform(0.0, 0.05)
     path, out = job_for(setup, f"random-{seed}")
     proc = popen_cli("submit", path, "--no-progress")
-    deadline = time.time() + 120
-    while not (os.path.exists(done_dir(out)) and len(os.listdir(done_dir(out))) >= after_units):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
-        time.sleep(0.002)
+    wait_for(lambda: os.path.exists(done_dir(out)) and len(os.listdir(done_dir(out))) >= after_units, proc,
+             f"{after_units} committed units", timeout=120)
     time.sleep(extra_s)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL
@@ -108,9 +106,8 @@ def test_signal_stops_cleanly_with_exit_75_then_resume(setup, sig):
     _, _, ref = setup
     path, out = job_for(setup, f"sig-{sig.name}")
     proc = popen_cli("submit", path, "--no-progress", "--json")
-    deadline = time.time() + 120
-    while not (os.path.exists(done_dir(out)) and os.listdir(done_dir(out))) and time.time() < deadline:
-        time.sleep(0.005)
+    wait_for(lambda: os.path.exists(done_dir(out)) and os.listdir(done_dir(out)), proc, "a committed unit",
+             timeout=120)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == EXIT_INTERRUPTED, stderr

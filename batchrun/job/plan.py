@@ -91,12 +91,10 @@ def check_model_settings(spec: JobSpec, model: ModelInfo) -> None:
         where = "the GGUF metadata" if model.format == "gguf" else os.path.join(model.path, "config.json")
         raise JobError(f"engine.max_model_len: {asked} exceeds the model's {model.max_model_len} "
                        f"(max_position_embeddings in {where})")
-    q = spec.engine.quantization
-    if q is not None and not (q == "gguf" and model.format != "gguf"):    # device and gguf: at engine start
+    if spec.engine.quantization == "int4":      # the device and "gguf" on a non-GGUF model: at engine start
+        from batchrun.models.quant import check_group_size
         try:
-            from batchrun.models.quant import check_group_size
-            if q == "int4":
-                check_group_size(model.config, spec.engine.quantization_group_size)
+            check_group_size(model.config, spec.engine.quantization_group_size)
         except ValueError as e:
             raise JobError(f"engine.{e}") from None
 

@@ -14,22 +14,17 @@ from typing import Optional
 
 import torch
 
+from batchrun.kernels import cpu_layer_ops as ops
 from batchrun.models.cpu_linear import linear
 from batchrun.models.llama import DenseFns
 
 FUSED_OPS_ENV = "BATCHRUN_CPU_FUSED_OPS"
 
 
-def _ops():
-    from batchrun.kernels import cpu_layer_ops
-    return cpu_layer_ops
-
-
 def pre_attention(h: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
                   q_norm_w: Optional[torch.Tensor], k_norm_w: Optional[torch.Tensor], rope: tuple,
                   eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
     """llama.pre_attention; rope: (cos_sin table [P, D] float32, positions [T]); q and k rotated in place."""
-    ops = _ops()
     T = h.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = linear(ops.rms_norm(h, ln_w, eps), qkv_w, qkv_b).split([q_size, kv_size, kv_size], dim=-1)
@@ -46,7 +41,6 @@ def pre_attention(h: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_
 def post_attention(o: torch.Tensor, h: torch.Tensor, o_w: torch.Tensor, ln_w: torch.Tensor,
                    gate_up_w: torch.Tensor, down_w: torch.Tensor, eps: float) -> torch.Tensor:
     """llama.post_attention; adds the attention output into h in place (h is this step's residual stream)."""
-    ops = _ops()
     x = ops.add_rms_norm(linear(o.flatten(1), o_w), h, ln_w, eps)
     return h + linear(ops.silu_mul(linear(x, gate_up_w)), down_w)
 
@@ -60,11 +54,11 @@ FUSED_DENSE = DenseFns(_rope_inputs, pre_attention, post_attention)
 
 def fused_ops_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """CPU, float32 or bfloat16, not switched off by the environment, and the ops build here."""
-    if device.type != "cpu" or dtype not in _ops().DTYPES:
+    if device.type != "cpu" or dtype not in ops.DTYPES:
         return False
     if os.environ.get(FUSED_OPS_ENV, "1") == "0":
         return False
-    return _ops().available()
+    return ops.available()
 
 
 def use_fused_layer_ops(model) -> None:

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from batchrun.kernels import cpu_gemm
 from batchrun.models.quant import QuantizedWeight
 
 PACKED_LINEAR_ENV = "BATCHRUN_CPU_PACKED_LINEAR"
@@ -28,7 +29,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -
     if isinstance(w, QuantizedWeight):
         return w.linear(x, b)
     if w.dim() == 4:               # cpu_gemm's layout: [out/16, in/2, 16, 2]
-        y = torch.ops.batchrun_cpu.bf16_linear(x if x.stride(-1) == 1 else x.contiguous(), w, w.shape[0] * 16)
+        y = cpu_gemm.linear(x if x.stride(-1) == 1 else x.contiguous(), w, w.shape[0] * 16)
         return y if b is None else y.add_(b)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
@@ -46,16 +47,12 @@ def pack(w: torch.Tensor, batch_hint: int) -> torch.Tensor:
     out a multiple of 16) unless BATCHRUN_CPU_GEMM=onednn, else oneDNN's packed one."""
     w = w.detach().contiguous()
     if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0 and _own_gemm():
-        from batchrun.kernels import cpu_gemm
         return cpu_gemm.pack(w)
     return torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
 
 
 def _own_gemm() -> bool:
-    if os.environ.get(GEMM_ENV, "own") == "onednn":
-        return False
-    from batchrun.kernels import cpu_gemm
-    return cpu_gemm.supported()
+    return os.environ.get(GEMM_ENV, "own") != "onednn" and cpu_gemm.supported()
 
 
 def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:

@@ -102,7 +102,7 @@ BR_BF16_TARGET void run_groups(const uint16_t* x, int64_t xs, int64_t M, const u
 }
 #endif
 
-bool supported() {
+bool detect() {
 #ifdef BR_GEMM_X86
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -110,6 +110,10 @@ bool supported() {
 #else
   return false;
 #endif
+}
+bool supported() {  // checked on every call: detected once
+  static const bool ok = detect();
+  return ok;
 }
 
 Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) {

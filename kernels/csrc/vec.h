@@ -162,7 +162,7 @@ BR_INLINE typename VT<V>::f vexp(typename VT<V>::f x) {
 }
 
 // 0: baseline, 1: AVX2 + FMA, 2: AVX-512
-inline int64_t best_isa() {
+inline int64_t detect_isa() {
 #ifdef BR_X86_DISPATCH
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -171,6 +171,11 @@ inline int64_t best_isa() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
 #endif
   return 0;
+}
+// called by every op call (per layer, per step): the machine's answer, detected once
+inline int64_t best_isa() {
+  static const int64_t isa = detect_isa();
+  return isa;
 }
 
 }  // namespace
