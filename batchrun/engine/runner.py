@@ -25,7 +25,6 @@ from batchrun.models.cpu_linear import PACKED_LINEAR_ENV, pack_linear_weights, p
 from batchrun.models.llama import LlamaModel
 from batchrun.models.loader import ModelError, ModelInfo, load_weights
 from batchrun.models.quant import apply_quantization, check_quantization, kernels_enabled
-from batchrun.models.rope import cos_sin_cache, rope_params
 
 log = logging.getLogger("batchrun")
 
@@ -86,12 +85,6 @@ class ModelRunner:
         self.dtype = info.torch_dtype(config.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        try:
-            params = rope_params(info.config)
-        except ValueError as e:
-            raise ModelError(f"{info.path}/{e}") from e
-        arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[info.architecture]
         per_seq = blocks_needed(max_model_len, self.block_size)
         if config.kv_cache_memory is not None:        # refuse before any weight is read
             self._check_fits_one_sequence(int(config.kv_cache_memory), info.kv_bytes_per_token(self.dtype), per_seq,
@@ -102,9 +95,8 @@ class ModelRunner:
         except ValueError as e:
             raise ModelError(str(e)) from e
         with torch.device("meta"), _default_dtype(self.dtype):
-            model = LlamaModel(dict(info.config), arch, max_model_len)
+            model = LlamaModel(info.args, max_model_len, device=self.device)
         model.to_empty(device=self.device)
-        model.cos_sin = cos_sin_cache(model.layers[0].self_attn.head_dim, params, max_model_len).to(self.device)
         load_weights(model, info)
         self.model = model.eval()
         quant_bytes = 0

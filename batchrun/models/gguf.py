@@ -15,9 +15,11 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from batchrun.models.loader import ModelError, ModelInfo
+from batchrun.models.args import SUPPORTED_ARCHITECTURES
+from batchrun.models.loader import ModelError, ModelInfo, model_args
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF general.architecture -> HF architecture; convert_hf_to_gguf writes Mistral as llama (plus a window)
+ARCHITECTURES = {short: hf for hf, short in SUPPORTED_ARCHITECTURES.items() if short != "mistral"}
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -225,8 +227,7 @@ def inspect_gguf(file: str) -> ModelInfo:
     return ModelInfo(
         path=file, architecture=cfg["architectures"][0], config=cfg, weight_files=[file], num_params=num_params,
         weights_bytes=sum(b for _, b in types.values()), max_model_len=cfg["max_position_embeddings"],
-        num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg["num_key_value_heads"], head_dim=head_dim,
-        format="gguf", tensor_types=types, identity=_identity(file, reader.data_offset))
+        args=model_args(cfg, file), format="gguf", tensor_types=types, identity=_identity(file, reader.data_offset))
 
 
 def dequantize(file: str, tensor) -> np.ndarray:

@@ -1,18 +1,19 @@
-"""One decoder for Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), driven by config.json.
+"""One decoder for Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), driven by ModelArgs.
 
 Shapes: T tokens in the flat batch, H hidden, Hq/Hkv query/KV heads, D head_dim, I intermediate.
 Weights are fused at load time: qkv_proj = [q; k; v], gate_up_proj = [gate; up].
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from batchrun.models.args import ModelArgs
 from batchrun.models.attention import AttentionMetadata
 from batchrun.models.cpu_linear import linear
-from batchrun.models.rope import cos_sin_cache, rope_params
+from batchrun.models.rope import cos_sin_cache
 
 
 class RMSNorm(nn.Module):
@@ -85,24 +86,18 @@ TORCH_DENSE = DenseFns(rope_tables, pre_attention, post_attention)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], arch: str):
+    def __init__(self, a: ModelArgs):
         super().__init__()
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_size, self.kv_size = a.q_size, a.kv_size
         self.scale = self.head_dim ** -0.5
-        bias = arch == "qwen2" or bool(cfg.get("attention_bias", False))
-        self.qkv_proj = nn.Linear(cfg["hidden_size"], self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg["hidden_size"], bias=False)
-        self.qk_norm = arch == "qwen3"
+        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=False)
+        self.qk_norm = a.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
-            self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
-        window = cfg.get("sliding_window")
-        uses_window = arch == "mistral" or bool(cfg.get("use_sliding_window", False))
-        self.sliding_window: Optional[int] = window if uses_window and window else None
+            self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
+        self.sliding_window: Optional[int] = a.sliding_window
 
     def qkv_args(self):
         return (self.qkv_proj.weight, self.qkv_proj.bias,
@@ -115,11 +110,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, a: ModelArgs):
         super().__init__()
-        self.intermediate = cfg["intermediate_size"]
-        self.gate_up_proj = nn.Linear(cfg["hidden_size"], 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, cfg["hidden_size"], bias=False)
+        self.intermediate = a.intermediate_size
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, a.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)        # [T, I] each
@@ -127,12 +122,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], arch: str):
+    def __init__(self, a: ModelArgs):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.self_attn = Attention(cfg, arch)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
 
     def forward(self, h, rope, kv, meta, backend, pre=pre_attention, post=post_attention):
         a = self.self_attn
@@ -146,27 +141,24 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Decoder-only transformer: embed -> N x (attn + MLP, pre-norm residual) -> norm -> lm_head."""
 
-    def __init__(self, cfg: dict[str, Any], arch: str, max_positions: int):
+    def __init__(self, args: ModelArgs, max_positions: int, device: Optional[torch.device] = None):
         super().__init__()
-        self.config = cfg
-        cfg.setdefault("rms_norm_eps", 1e-6)
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(cfg, arch) for _ in range(cfg["num_hidden_layers"]))
-        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.tie_word_embeddings = args.tie_word_embeddings
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-        attn = self.layers[0].self_attn
-        self.register_buffer("cos_sin", cos_sin_cache(attn.head_dim, rope_params(cfg), max_positions),
-                             persistent=False)
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # The RoPE table [P, D] float32, built here only, on the device the model runs on. A plain attribute,
+        # not a buffer: the weights may be allocated on "meta" and materialised by to_empty(), which would
+        # leave a buffer uninitialised.
+        self.cos_sin = cos_sin_cache(args.head_dim, args.rope, max_positions, device=device)
 
     def shard_range(self, name: str, shard: int) -> tuple[int, int]:
         """(start, length) of shard `shard` along dim 0 of a fused parameter."""
-        if ".qkv_proj." in name:
-            a = self.layers[0].self_attn
-            sizes = [a.q_size, a.kv_size, a.kv_size]
-        else:
-            sizes = [self.layers[0].mlp.intermediate] * 2
+        a = self.args
+        sizes = [a.q_size, a.kv_size, a.kv_size] if ".qkv_proj." in name else [a.intermediate_size] * 2
         return sum(sizes[:shard]), sizes[shard]
 
     @staticmethod

@@ -13,12 +13,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from batchrun.models.args import SUPPORTED_ARCHITECTURES, ConfigError, ModelArgs  # noqa: F401 (re-exported)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
@@ -38,13 +33,23 @@ class ModelInfo:
     num_params: int
     weights_bytes: int          # on disk
     max_model_len: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    args: ModelArgs               # the typed view of `config`, read once
     format: str = "safetensors"   # or "gguf" (models/gguf.py)
     # on-disk tensor type ("BF16", "Q4_1", ...) -> (tensors, bytes)
     tensor_types: dict[str, tuple[int, int]] = field(default_factory=dict)
     identity: Optional[dict[str, Any]] = None   # GGUF: file name, size, header hash (the job fingerprint)
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.args.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.args.head_dim
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
@@ -161,25 +166,21 @@ def inspect_model(path: str) -> ModelInfo:
     if not os.path.exists(cfg_path):
         raise ModelError(f"{cfg_path}: missing (an HF model directory needs config.json)")
     cfg = _read_json(cfg_path)
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ModelError(
-            f"{cfg_path}: architectures {archs or '(none)'} not supported; batchrun serves "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
-        if not isinstance(cfg.get(key), int):
-            raise ModelError(f"{cfg_path}: key {key!r} missing or not an integer")
+    args = model_args(cfg, cfg_path)
     files = _weight_files(path)
     num_params, types = _scan_safetensors(files)
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return ModelInfo(
-        path=path, architecture=arch, config=cfg, weight_files=files,
+        path=path, architecture=ModelArgs.hf_architecture(cfg), config=cfg, weight_files=files,
         num_params=num_params, weights_bytes=sum(os.path.getsize(f) for f in files),
-        max_model_len=int(cfg.get("max_position_embeddings") or 2048),
-        num_layers=cfg["num_hidden_layers"], num_kv_heads=kv_heads, head_dim=head_dim, tensor_types=types)
+        max_model_len=int(cfg.get("max_position_embeddings") or 2048), args=args, tensor_types=types)
+
+
+def model_args(cfg: dict[str, Any], source: str) -> ModelArgs:
+    """ModelArgs.from_config, its refusal a ModelError naming `source` and the key."""
+    try:
+        return ModelArgs.from_config(cfg, source)
+    except ConfigError as e:
+        raise ModelError(str(e)) from e
 
 
 def _fused_name(name: str) -> tuple[str, int | None]:
