@@ -123,7 +123,6 @@ def _backend(spec, ray_address: Optional[str], as_json: bool):
         require_ray()
     except RayUnavailable as e:
         _fail(EXIT_BAD_JOB, f"{'--ray' if ray_address is not None else 'runtime.backend: ray'}: {e}", as_json)
-    spec.runtime.backend = "ray"
     return functools.partial(RayJobRunner, address=ray_address or None)
 
 
@@ -166,7 +165,7 @@ def validate(job: str = typer.Argument(..., help="The job file (YAML)."),
              sample: int = typer.Option(256, help="Rows sampled for token-length statistics."),
              as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON.")):
     """Check the job file, the input schema and the model config (no weights load); print the plan."""
-    from batchrun.job.plan import format_report, plan_report
+    from batchrun.job.validate_report import format_report, plan_report
     spec = _load(job, sets, as_json)
     plan = _plan(spec, as_json, stage_input=False)   # validate writes nothing
     with _guard(as_json, spec.output.uri, planning=True):

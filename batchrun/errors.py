@@ -41,7 +41,7 @@ _KINDS = [
     ("batchrun.errors", "StartupInterrupted", EXIT_INTERRUPTED),
     ("batchrun.job.run", "Interrupted", EXIT_INTERRUPTED),
     ("builtins", "KeyboardInterrupt", EXIT_INTERRUPTED),      # Ctrl-C where no handler of ours stands
-    ("batchrun.job.spec", "JobError", EXIT_BAD_JOB),
+    ("batchrun.job.schema", "JobError", EXIT_BAD_JOB),
     ("batchrun.connectors.secrets", "MissingEnvVar", EXIT_BAD_JOB),   # a ${VAR} unset where it was expanded
     ("batchrun.connectors.base", "OutputError", EXIT_BAD_JOB),
     ("batchrun.job.ray_runner", "RayUnavailable", EXIT_BAD_JOB),

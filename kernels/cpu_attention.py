@@ -5,6 +5,8 @@ block_tables [B, max_blocks] int32, scale, sliding_window) -> [T, Hq, D]. Sequen
 query_start_loc[b]:query_start_loc[b+1] of q, the last qlen positions of its seq_lens[b]-token context
 (causal offset seq_lens[b] - qlen); GQA when Hq is a multiple of Hkv; optional sliding window; float
 accumulation and online softmax; cost follows the sum of the contexts, and no K/V is copied.
+The caches may be float8 (kv_cache_dtype fp8: kernels/kv_quant.py) whatever q's dtype, read as value x k_scale /
+v_scale and converted in registers (no dequantised copy); store_kv quantises as kv_quant.quantize does.
 paged_attention_ref is the same contract in plain torch (gather, mask, softmax), the op's reference.
 
 The source (csrc/cpu_attention.cpp, with csrc/cpu_layer_ops.cpp: one library) is compiled once per machine with torch.utils.cpp_extension and cached
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from .kv_quant import dequantize
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +142,12 @@ def _register_fake() -> None:
     # shape functions, so torch.compile can trace through a graph that calls the ops
     try:
         @torch.library.register_fake("batchrun_cpu::paged_attention")
-        def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, isa=-1):
+        def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, isa=-1,
+              k_scale=1.0, v_scale=1.0):
             return q.new_empty(q.shape)
 
         @torch.library.register_fake("batchrun_cpu::store_kv")
-        def _(k, v, k_cache, v_cache, slot_mapping):
+        def _(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
             return None
 
         @torch.library.register_fake("batchrun_cpu::rms_norm")
@@ -177,29 +182,34 @@ def cpu_isa() -> str:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                    sliding_window: Optional[int] = None, *, isa: Optional[str] = None) -> torch.Tensor:
-    """The compiled op (see the module docstring). isa: force a lower instruction set (tests); None = best."""
+                    sliding_window: Optional[int] = None, *, isa: Optional[str] = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """The compiled op (see the module docstring). isa: force a lower instruction set (tests); None = best.
+    k_scale, v_scale: float8 caches only."""
     if not load():
         raise RuntimeError(f"CPU attention op unavailable: {_state['error']}")
     level = -1 if isa is None else {v: k for k, v in ISAS.items()}[isa]
     return torch.ops.batchrun_cpu.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                                   float(scale), -1 if sliding_window is None else int(sliding_window),
-                                                  level)
+                                                  level, float(k_scale), float(v_scale))
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """k, v [T, Hkv, D] into k_cache, v_cache [N, bs, Hkv, D] at slot_mapping [T] int64 (block * bs + offset;
-    negative: padding, skipped), in one call; k and v may be strided views (of the qkv projection)."""
+    negative: padding, skipped), in one call; k and v may be strided views (of the qkv projection). Float8
+    caches get kv_quant.quantize(k, dtype, k_scale) (and v's), bit for bit."""
     if not load():
         raise RuntimeError(f"CPU attention op unavailable: {_state['error']}")
-    torch.ops.batchrun_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    torch.ops.batchrun_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale))
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                        scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
-    """paged_attention in plain torch, one sequence at a time: gather its blocks, mask, float softmax."""
+                        scale: float, sliding_window: Optional[int] = None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
+    """paged_attention in plain torch, one sequence at a time: gather its blocks (float8 ones dequantised:
+    float(code) x scale), mask, float softmax."""
     T, Hq, D = q.shape
     bs, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros_like(q)
@@ -210,8 +220,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if ql == 0:
             continue
         blocks = block_tables[b, :-(-ctx // bs)].long()
-        k = k_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(Hq // Hkv, 1)   # [ctx, Hq, D]
-        v = v_cache[blocks].flatten(0, 1)[:ctx].float().repeat_interleave(Hq // Hkv, 1)
+        k = dequantize(k_cache[blocks].flatten(0, 1)[:ctx], k_scale).repeat_interleave(Hq // Hkv, 1)  # [ctx, Hq, D]
+        v = dequantize(v_cache[blocks].flatten(0, 1)[:ctx], v_scale).repeat_interleave(Hq // Hkv, 1)
         s = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         qpos = torch.arange(ctx - ql, ctx)[:, None]
         kpos = torch.arange(ctx)[None, :]

@@ -3,7 +3,9 @@
 One program serves all query heads of one KV head (GQA: K/V are read once per group) over one
 partition of the context. A long context is split into partitions whose partial results (normalised
 output and log-sum-exp) a second kernel combines; a short one is done in a single pass.
-Nothing reads device values on the host, so a decode step can be captured in a CUDA graph.
+Nothing reads device values on the host, so a decode step can be captured in a CUDA graph. Float8 caches
+(kv_cache_dtype fp8) are converted to q's dtype as each tile loads, k_scale folded into the score scale and
+v_scale applied to the normalised output.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from ._common import FLOAT_DTYPES, HAS_TRITON, check, check_block_tables_on_host, check_shape, is_interpreted, \
     next_pow2, ready_to_launch
+from .kv_quant import FP8_DTYPES, dequantize, is_fp8
 
 DEFAULT_PARTITION_SIZE = 512   # keys per partition when the context is split
 _LOG2E = 1.4426950408889634
@@ -26,12 +29,12 @@ if HAS_TRITON:
     # window and group size stay runtime values: fewer compiled variants, no cost in the loop
     @triton.jit(do_not_specialize=["window", "G"])
     def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr,
-                       qk_scale, window, num_parts, G,
+                       qk_scale, v_scale, window, num_parts, G,
                        stride_qb, stride_qh, stride_ob, stride_oh,
                        stride_cn, stride_cb, stride_ch, stride_btb,
                        G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-                       SINGLE: tl.constexpr, UPCAST: tl.constexpr,
+                       SINGLE: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
                        PRECISION: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -65,7 +68,10 @@ if HAS_TRITON:
             kv_mask = n_ok[:, None] & d_ok[None, :]
             k = tl.load(kc_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
+            if KV_FP8:  # float8 codes to q's dtype: exact (float8 values are bf16/fp16/fp32 values)
+                k = k.to(tl.float32).to(q.dtype)
+                v = v.to(tl.float32).to(q.dtype)
+            elif UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # log2 domain
@@ -80,6 +86,8 @@ if HAS_TRITON:
 
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
+        if KV_FP8:
+            o = o * v_scale
         out_mask = g_ok[:, None] & d_ok[None, :]
         if SINGLE:
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -121,12 +129,13 @@ else:
 
 
 def _validate(op, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
-    check(op, "k_cache", k_cache, dim=4, dtypes=FLOAT_DTYPES, contiguous=True)
+    check(op, "k_cache", k_cache, dim=4, dtypes=FLOAT_DTYPES + FP8_DTYPES, contiguous=True)
     dev = k_cache.device
     nb, bs, hkv, d = k_cache.shape
     check(op, "v_cache", v_cache, dim=4, dtypes=(k_cache.dtype,), device=dev, contiguous=True)
     check_shape(op, "v_cache", v_cache, tuple(k_cache.shape))
-    check(op, "q", q, dim=3, dtypes=(k_cache.dtype,), device=dev, last_dim_contiguous=True)
+    check(op, "q", q, dim=3, dtypes=FLOAT_DTYPES if is_fp8(k_cache.dtype) else (k_cache.dtype,), device=dev,
+          last_dim_contiguous=True)
     B, hq = q.shape[0], q.shape[1]
     check_shape(op, "q", q, (B, None, d))
     if hq % hkv:
@@ -150,7 +159,8 @@ def num_partitions(max_seq_len: int, partition_size: int = DEFAULT_PARTITION_SIZ
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: Optional[int] = None, *, max_seq_len: Optional[int] = None,
-                           partition_size: int = DEFAULT_PARTITION_SIZE) -> torch.Tensor:
+                           partition_size: int = DEFAULT_PARTITION_SIZE, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     q [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous; block_tables [B, max_blocks]
@@ -158,6 +168,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns [B, Hq, D] in q's dtype. max_seq_len, a host-side hint of the longest context (default: the
     block table width times block_size), sets the number of context partitions of partition_size keys;
     the last partition takes whatever lies past the hint, so a low hint is slower, never wrong.
+    The caches may be float8 (any float q), read as code x k_scale / v_scale.
     """
     op = "paged_decode_attention"
     _validate(op, q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
@@ -183,14 +194,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         po = plse = out  # unused
     upcast = interp and q.dtype == torch.bfloat16
+    fp8 = is_fp8(k_cache.dtype)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _decode_kernel[(B, hkv, parts)](
         q, k_cache, v_cache, block_tables, seq_lens, out, po, plse,
-        float(scale) * _LOG2E, _NO_WINDOW if sliding_window is None else sliding_window, parts, G,
+        float(scale) * _LOG2E * (float(k_scale) if fp8 else 1.0), float(v_scale),
+        _NO_WINDOW if sliding_window is None else sliding_window, parts, G,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G_PAD=g_pad, D=d, D_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_N=block_n, PARTITION=partition_size,
-        SINGLE=parts == 1, UPCAST=upcast, PRECISION=precision,
+        SINGLE=parts == 1, UPCAST=upcast, KV_FP8=fp8, PRECISION=precision,
         num_warps=4)
     if parts > 1:
         _reduce_kernel[(B, hq)](po, plse, out, out.stride(0), out.stride(1), parts,
@@ -201,8 +214,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               sliding_window: Optional[int] = None, **_ignored) -> torch.Tensor:
-    """Torch reference of paged_decode_attention: gathers every sequence's blocks, masks, fp32 softmax."""
+                               sliding_window: Optional[int] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                               **_ignored) -> torch.Tensor:
+    """Torch reference of paged_decode_attention: gathers every sequence's blocks (float8 ones dequantised),
+    masks, fp32 softmax."""
     _validate("paged_decode_attention_ref", q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
     B, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -211,8 +226,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     lens = seq_lens.long()[:, None]
     used = torch.arange(block_tables.shape[1], device=q.device)[None, :] < (lens + bs - 1) // bs
     bt = torch.where(used, block_tables.long(), 0)        # padding entries may hold anything
-    k = k_cache[bt].flatten(1, 2).float()                  # [B, L, Hkv, D]
-    v = v_cache[bt].flatten(1, 2).float()
+    k = dequantize(k_cache[bt].flatten(1, 2), k_scale)     # [B, L, Hkv, D] float32
+    v = dequantize(v_cache[bt].flatten(1, 2), v_scale)
     visible = j < lens
     if sliding_window is not None:
         visible &= (lens - 1) - j < sliding_window

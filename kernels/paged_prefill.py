@@ -3,7 +3,9 @@
 Each sequence b contributes q_len_b query tokens (a prefill chunk, or 1 for a decode row) at positions
 seq_lens[b] - q_len_b ..., and attends to its keys 0..position in the paged cache (earlier chunks and
 prefix-cache hits included; this step's K/V were stored before the call). A program takes a tile of
-query tokens times all query heads of one KV head, so K/V tiles are read once per GQA group.
+query tokens times all query heads of one KV head, so K/V tiles are read once per GQA group. Float8 caches
+(kv_cache_dtype fp8) are converted to q's dtype as each tile loads, k_scale folded into the score scale and
+v_scale applied to the normalised output.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from ._common import FLOAT_DTYPES, HAS_TRITON, check, check_block_tables_on_host, check_shape, is_interpreted, \
     next_pow2, ready_to_launch
+from .kv_quant import FP8_DTYPES, dequantize, is_fp8
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30   # a window wider than any context
@@ -25,12 +28,12 @@ if HAS_TRITON:
     # the window stays a runtime value: fewer compiled variants, no cost in the loop
     @triton.jit(do_not_specialize=["window"])
     def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, qsl_ptr, lens_ptr, bt_ptr, out_ptr,
-                        qk_scale, window,
+                        qk_scale, v_scale, window,
                         stride_qt, stride_qh, stride_ot, stride_oh,
                         stride_cn, stride_cb, stride_ch, stride_btb,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        UPCAST: tl.constexpr, KV_FP8: tl.constexpr, PRECISION: tl.constexpr):
         BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
         b = tl.program_id(0)
         qt = tl.program_id(1)
@@ -70,7 +73,10 @@ if HAS_TRITON:
                 kv_mask = n_ok[:, None] & d_ok[None, :]
                 k = tl.load(kc_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
                 v = tl.load(vc_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                if UPCAST:
+                if KV_FP8:  # float8 codes to q's dtype: exact (float8 values are bf16/fp16/fp32 values)
+                    k = k.to(tl.float32).to(q.dtype)
+                    v = v.to(tl.float32).to(q.dtype)
+                elif UPCAST:
                     k = k.to(tl.float32)
                     v = v.to(tl.float32)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # log2 domain
@@ -86,6 +92,8 @@ if HAS_TRITON:
                 m_i = m_new
 
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            if KV_FP8:
+                o = o * v_scale
             tl.store(out_ptr + (q_start + qi)[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh
                      + d[None, :], o.to(out_ptr.dtype.element_ty), mask=io_mask)
 else:
@@ -94,12 +102,13 @@ else:
 
 def _validate(op, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len,
               sliding_window):
-    check(op, "k_cache", k_cache, dim=4, dtypes=FLOAT_DTYPES, contiguous=True)
+    check(op, "k_cache", k_cache, dim=4, dtypes=FLOAT_DTYPES + FP8_DTYPES, contiguous=True)
     dev = k_cache.device
     nb, bs, hkv, d = k_cache.shape
     check(op, "v_cache", v_cache, dim=4, dtypes=(k_cache.dtype,), device=dev, contiguous=True)
     check_shape(op, "v_cache", v_cache, tuple(k_cache.shape))
-    check(op, "q", q, dim=3, dtypes=(k_cache.dtype,), device=dev, last_dim_contiguous=True)
+    check(op, "q", q, dim=3, dtypes=FLOAT_DTYPES if is_fp8(k_cache.dtype) else (k_cache.dtype,), device=dev,
+          last_dim_contiguous=True)
     T, hq = q.shape[0], q.shape[1]
     check_shape(op, "q", q, (T, None, d))
     if hq % hkv:
@@ -132,14 +141,16 @@ def _validate(op, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, max_query_len: int, sliding_window: Optional[int] = None) -> torch.Tensor:
+                            scale: float, max_query_len: int, sliding_window: Optional[int] = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of a flat varlen batch over its paged context.
 
     q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous; query_start_loc [B+1] int32;
     seq_lens [B] int32 (context including this step's tokens); block_tables [B, max_blocks] int32;
     max_query_len: host-side bound on the query lengths (sizes the grid). Query token i of sequence b is at
     position seq_lens[b] - q_len_b + i and sees keys j <= position (and position - j < sliding_window).
-    Returns [T, Hq, D] in q's dtype; rows past query_start_loc[-1] are left zero.
+    Returns [T, Hq, D] in q's dtype; rows past query_start_loc[-1] are left zero. The caches may be float8
+    (any float q), read as code x k_scale / v_scale.
     """
     op = "paged_prefill_attention"
     _validate(op, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len,
@@ -157,13 +168,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m, block_n = (32, 32) if interp else (64, 64)
     block_q = max(1, block_m // g_pad)               # rows = block_q * g_pad >= 16, as tl.dot needs on GPUs
     grid = (B, -(-max_query_len // block_q), hkv)
+    fp8 = is_fp8(k_cache.dtype)
     _prefill_kernel[grid](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out,
-        float(scale) * _LOG2E, _NO_WINDOW if sliding_window is None else sliding_window,
+        float(scale) * _LOG2E * (float(k_scale) if fp8 else 1.0), float(v_scale),
+        _NO_WINDOW if sliding_window is None else sliding_window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         G=G, G_PAD=g_pad, D=d, D_PAD=max(16, next_pow2(d)), BLOCK_SIZE=bs, BLOCK_Q=block_q, BLOCK_N=block_n,
-        UPCAST=interp and q.dtype == torch.bfloat16,
+        UPCAST=interp and q.dtype == torch.bfloat16, KV_FP8=fp8,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
     return out
 
@@ -171,8 +184,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                                 scale: float, max_query_len: int,
-                                sliding_window: Optional[int] = None) -> torch.Tensor:
-    """Torch reference of paged_prefill_attention: per sequence, gather its blocks, mask, fp32 softmax."""
+                                sliding_window: Optional[int] = None, k_scale: float = 1.0,
+                                v_scale: float = 1.0) -> torch.Tensor:
+    """Torch reference of paged_prefill_attention: per sequence, gather its blocks (float8 ones dequantised),
+    mask, fp32 softmax."""
     _validate("paged_prefill_attention_ref", q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
               scale, max_query_len, sliding_window)
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -185,8 +200,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             continue
         nblk = -(-ctx // bs)
         ids = block_tables[b, :nblk].long()
-        k = k_cache[ids].flatten(0, 1)[:ctx].float()                # [ctx, Hkv, D]
-        v = v_cache[ids].flatten(0, 1)[:ctx].float()
+        k = dequantize(k_cache[ids].flatten(0, 1)[:ctx], k_scale)   # [ctx, Hkv, D] float32
+        v = dequantize(v_cache[ids].flatten(0, 1)[:ctx], v_scale)
         k = k.repeat_interleave(hq // hkv, dim=1)                   # [ctx, Hq, D]
         v = v.repeat_interleave(hq // hkv, dim=1)
         pos = torch.arange(ctx - (end - start), ctx, device=q.device)[:, None]

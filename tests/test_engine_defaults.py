@@ -151,7 +151,7 @@ def test_bad_knobs_are_value_errors_naming_the_knob(path, knob, value, match):
 # -- host swap pool ----------------------------------------------------------------------------
 def test_no_host_swap_pool_on_cpu_by_default(path):
     llm = LLM(path, dtype="float32", device="cpu")
-    assert llm.engine.runner.host_kv is None and llm.engine.scheduler.host_pool is None
+    assert llm.engine.runner.host_kv is None and llm.engine.kv.host_pool is None
     assert llm.engine.memory_ledger["host_swap_blocks"] == 0
 
 
@@ -159,7 +159,7 @@ def test_explicit_swap_space_on_cpu_allocates_a_lazy_pool(path):
     before = rss_bytes()
     llm = LLM(path, dtype="float32", device="cpu", swap_space=0.25, max_num_seqs=512, enforce_eager=True)
     r = llm.engine.runner
-    assert r.host_kv is not None and llm.engine.scheduler.host_pool is not None
+    assert r.host_kv is not None and llm.engine.kv.host_pool is not None
     assert r.num_host_blocks == (0.25 * 2**30) // (16 * per_token(path))
     assert rss_bytes() - before < (r.host_kv.numel() * r.host_kv.element_size()) // 4
     llm = LLM(path, dtype="float32", device="cpu", swap_space=0.25, preemption_mode="recompute")
@@ -172,7 +172,7 @@ def test_tight_budget_preempts_by_recompute_and_matches_hf(hf_models):
     path, hf = hf_models["llama"]
     prompts = mixed_prompts(10, 200, seed=4)
     want = hf_greedy(hf, prompts, 16)
-    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256,
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256, enable_prefix_caching=False,
               kv_cache_memory=20 * 16 * per_token(path))        # 20 blocks: under 2 of the longest
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)

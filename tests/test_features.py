@@ -71,8 +71,8 @@ class PoolInvariants:
         for b in range(pool.num_blocks):
             assert pool.ref_counts[b] == refs.get(b, 0), f"block {b}: ref {pool.ref_counts[b]} != {refs.get(b, 0)}"
         host = Counter(b for s in sch.swapped for b in s.host_blocks)
-        if sch.host_pool is not None:
-            assert sch.host_pool.num_used == sum(host.values())
+        if self.eng.kv.host_pool is not None:
+            assert self.eng.kv.host_pool.num_used == sum(host.values())
 
 
 def kv_budget(path, blocks):
@@ -83,13 +83,14 @@ def kv_budget(path, blocks):
 # cache holds one whole sequence. Swap is asked for explicitly (swap_space): on CPU the default allocates
 # no host pool and preemption recomputes.
 TIGHT = {"kv_blocks": 48, "max_model_len": 512}
+OFF = {"enable_prefix_caching": False}     # on by default: each feature alone has it off
 FEATURES = {
-    "baseline": {},
-    "swap": {**TIGHT, "preemption_mode": "swap", "swap_space": 0.01, "swap_min_tokens": 0},
-    "recompute": {**TIGHT, "preemption_mode": "recompute"},
-    "default_preemption": {**TIGHT},
+    "baseline": {**OFF},
+    "swap": {**OFF, **TIGHT, "preemption_mode": "swap", "swap_space": 0.01, "swap_min_tokens": 0},
+    "recompute": {**OFF, **TIGHT, "preemption_mode": "recompute"},
+    "default_preemption": {**OFF, **TIGHT},
     "prefix_caching": {"enable_prefix_caching": True},
-    "speculation": {"speculative_config": SPEC},
+    "speculation": {**OFF, "speculative_config": SPEC},
     "all_three": {**TIGHT, "preemption_mode": "swap", "swap_space": 0.01, "swap_min_tokens": 0,
                   "enable_prefix_caching": True, "speculative_config": SPEC, "max_num_batched_tokens": 96},
 }
@@ -110,8 +111,8 @@ def test_feature_is_output_neutral_and_pool_exact(oracle, feature):
     st = llm.stats
     assert inv.steps_checked == st["steps"]
     assert st["blocks_used"] == 0 and llm.engine.kv.pool.num_free == st["num_blocks"]
-    if llm.engine.scheduler.host_pool is not None:
-        assert llm.engine.scheduler.host_pool.num_used == 0
+    if llm.engine.kv.host_pool is not None:
+        assert llm.engine.kv.host_pool.num_used == 0
     if feature in ("swap", "all_three"):
         assert st["swapped_out_blocks"] > 0 and st["swapped_in_blocks"] == st["swapped_out_blocks"]
     if feature == "recompute":
@@ -119,7 +120,7 @@ def test_feature_is_output_neutral_and_pool_exact(oracle, feature):
     if feature == "default_preemption":
         # the device's default: on CPU no host pool (device memory is host memory), so preemption recomputes
         cpu = llm.engine.runner.device.type == "cpu"
-        assert (llm.engine.scheduler.host_pool is None) == cpu and st["preemptions"] > 0
+        assert (llm.engine.kv.host_pool is None) == cpu and st["preemptions"] > 0
         if cpu:
             assert st["recomputed_tokens"] > 0 and st["swapped_out_blocks"] == 0
     if feature == "prefix_caching":

@@ -28,7 +28,7 @@ QUESTIONS = [
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 KV_PER_TOKEN = 2 * 30 * 3 * 64 * 4     # layers x kv heads x head_dim x float32, K and V
 BASE = dict(max_num_seqs=16, max_num_batched_tokens=1024, kv_cache_memory=2048 * KV_PER_TOKEN, swap_space=0,
-            max_model_len=256)
+            max_model_len=256, enable_prefix_caching=False)     # on only in prefix_spec
 CONFIGS = {
     "default": BASE,
     # 24 blocks of 16 tokens for 8 sequences of ~65: preemption; 32-token steps: chunked prefill

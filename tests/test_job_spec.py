@@ -130,3 +130,25 @@ def test_every_example_job_file_validates():
     assert len(files) >= 3
     for f in files:
         load_job(os.path.join(jobs, f))
+
+
+def test_one_default_per_knob_the_job_file_gets_engine_configs_own(tmp_path):
+    """An unset engine knob is EngineConfig's default, whether it comes from a job file or the Python API."""
+    path = write(tmp_path, BASE)
+    kw = load_job(path).engine_kwargs()
+    assert kw == {k: getattr(EngineConfig(), k) for k in kw}
+    assert kw["enable_prefix_caching"] is EngineConfig().enable_prefix_caching is True
+    assert load_job(path, ["engine.enable_prefix_caching=false"]).engine_kwargs()["enable_prefix_caching"] is False
+
+
+def test_a_validated_spec_is_never_changed_a_new_one_is_made(tmp_path):
+    from pydantic import ValidationError
+    data = {**BASE, "input": {"format": "openai_batch", "uri": "in.jsonl"}}
+    before = yaml.safe_dump(data)
+    spec = parse_job(data, "<dict>", str(tmp_path))
+    assert yaml.safe_dump(data) == before                        # the caller's mapping is untouched too
+    assert (spec.input.id_column, spec.input.messages_column) == ("custom_id", "messages")
+    assert spec.input._base_dir == str(tmp_path)
+    for section, key, value in (("model", "path", "x"), ("runtime", "backend", "ray"), ("engine", "max_num_seqs", 1)):
+        with pytest.raises(ValidationError, match="frozen"):
+            setattr(getattr(spec, section), key, value)

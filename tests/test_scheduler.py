@@ -8,8 +8,8 @@ from batchrun.outputs import SamplingParams
 
 
 def make(kv_blocks=64, block_size=4, max_num_seqs=8, max_tokens=16):
-    kv = KVCacheManager(kv_blocks, block_size)
-    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, watermark=0.0)
+    kv = KVCacheManager(kv_blocks, block_size, watermark=0.0)
+    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens)
 
 
 def seq(rid, n, max_tokens=10**6):
@@ -31,6 +31,15 @@ def test_scheduler_imports_no_torch():
     code = ("import sys, batchrun.engine.scheduler, batchrun.engine.kv_cache, batchrun.engine.speculative; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_scheduler_asks_the_kv_manager_and_never_touches_a_block_pool():
+    import ast
+    import batchrun.engine.scheduler as mod
+    tree = ast.parse(open(mod.__file__, encoding="utf-8").read())
+    touched = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} & {"pool", "host_pool"}
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert not touched and "BlockPool" not in names
 
 
 def test_chunked_prefill_mixed_with_decodes_under_token_budget():
@@ -109,10 +118,8 @@ def test_abort_frees_blocks():
 
 
 def test_swap_out_on_preemption_and_swap_in_before_admission():
-    from batchrun.engine.kv_cache import BlockPool
-    kv = KVCacheManager(4, 4)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0,
-                  host_pool=BlockPool(8), swap_min_tokens=4)
+    kv = KVCacheManager(4, 4, watermark=0.0, num_host_blocks=8)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, swap_min_tokens=4)
     a, b = seq("a", 8), seq("b", 8)
     s.add(a)
     s.add(b)
@@ -123,20 +130,18 @@ def test_swap_out_on_preemption_and_swap_in_before_admission():
     assert out.preempted == [b] and out.swap_out == [(2, 0), (3, 1)]
     assert b.status is SeqStatus.SWAPPED and b.host_blocks == [0, 1] and b.num_computed_tokens == 8
     assert plan == [("a", 1, True)]          # nothing admitted while b waits to swap back in
-    assert s.swapped_out_blocks == 2 and s.recomputed_tokens == 0
+    assert kv.swapped_out_blocks == 2 and s.recomputed_tokens == 0
     s.finish(a, "length")
     s.remove_finished()
     plan, out = run_step(s)
     assert out.swap_in == [(0, 2), (1, 3)]   # free pool order: b's old blocks, then what a freed
-    assert b.block_table == [2, 3, 1] and s.host_pool.num_free == 8   # + a block for its next token
+    assert b.block_table == [2, 3, 1] and kv.host_pool.num_free == 8   # + a block for its next token
     assert plan == [("b", 1, True), ("c", 2, True)]     # swapped back in, decodes; then c is admitted
 
 
 def test_short_sequences_are_recomputed_not_swapped():
-    from batchrun.engine.kv_cache import BlockPool
-    kv = KVCacheManager(4, 4)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0,
-                  host_pool=BlockPool(8), swap_min_tokens=100)
+    kv = KVCacheManager(4, 4, watermark=0.0, num_host_blocks=8)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, swap_min_tokens=100)
     a, b = seq("a", 8), seq("b", 8)
     s.add(a)
     s.add(b)
@@ -148,17 +153,17 @@ def test_short_sequences_are_recomputed_not_swapped():
 
 def test_swapped_in_sequence_can_be_swapped_out_again_in_the_same_step():
     """The runner copies swap-ins before swap-outs, because the scheduler may emit both for one sequence."""
-    from batchrun.engine.kv_cache import BlockPool
-    kv = KVCacheManager(4, 4)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0,
-                  host_pool=BlockPool(4), swap_min_tokens=0)
+    kv = KVCacheManager(4, 4, watermark=0.0, num_host_blocks=4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, swap_min_tokens=0)
     a = seq("a", 16)                  # mid-prefill: 8 of 16 computed, its next chunk needs 2 more blocks
-    kv.allocate(a, 8)
+    assert kv.allocate_slots(a, 8) == [0, 1]
     a.num_computed_tokens, a.status = 8, SeqStatus.RUNNING
     s.running.append(a)
-    b = seq("b", 3)                   # swapped out earlier: 1 host block
-    b.num_computed_tokens, b.status = 3, SeqStatus.SWAPPED
-    b.host_blocks = s.host_pool.allocate(1)
+    b = seq("b", 3)                   # swapped out earlier: device block 2 -> host block 0
+    assert kv.allocate_slots(b, 3) == [2]
+    b.num_computed_tokens = 3
+    assert kv.swap_out(b) == [(2, 0)]
+    b.status = SeqStatus.SWAPPED
     s.swapped.append(b)
     out = s.schedule()
     assert out.swap_in == [(0, 2)]                 # b comes back (2 free blocks >= its 1 + 1)...
@@ -166,12 +171,12 @@ def test_swapped_in_sequence_can_be_swapped_out_again_in_the_same_step():
     # first): the runner must copy host 0 -> device 2 before device 2 -> host 0
     assert out.preempted == [b] and out.swap_out == [(2, 0)]
     assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 8)]
-    assert a.block_table == [0, 1, 2, 3] and b.host_blocks == [0] and s.host_pool.num_free == 3
+    assert a.block_table == [0, 1, 2, 3] and b.host_blocks == [0] and kv.host_pool.num_free == 3
 
 
 def test_update_stops_on_max_tokens_a_stop_token_and_eos_and_releases_blocks():
-    kv = KVCacheManager(64, 4)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0, eos_token_ids=[5])
+    kv = KVCacheManager(64, 4, watermark=0.0)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, eos_token_ids=[5])
     a = seq("a", 3, max_tokens=2)
     b = Sequence("b", [1, 2, 3], SamplingParams(max_tokens=100, stop_token_ids=[9], ignore_eos=True))
     c = Sequence("c", [1, 2, 3], SamplingParams(max_tokens=100))           # stops at EOS
@@ -192,8 +197,8 @@ def test_update_stops_on_max_tokens_a_stop_token_and_eos_and_releases_blocks():
 
 
 def test_update_keeps_accepted_drafts_and_trims_the_rejected_ones():
-    kv = KVCacheManager(64, 4)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, watermark=0.0)
+    kv = KVCacheManager(64, 4, watermark=0.0)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
     a = seq("a", 6)
     s.add(a)
     run_step(s)                                  # prefill: 6 computed, 7 tokens

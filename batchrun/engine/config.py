@@ -26,7 +26,8 @@ class EngineConfig:
         or "recompute" (always drop the KV and recompute, as vLLM V1 does).
     swap_min_tokens: sequences with fewer computed tokens are recomputed rather than swapped
         (recomputing a short sequence is cheaper than two copies; see scripts/bench_swap.py).
-    enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+    enable_prefix_caching: reuse KV blocks of identical prompt prefixes (on by default, as in vLLM V1: a
+        batch's prompts share chat templates and system prompts; output is unchanged either way).
     speculative_config: {"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_max": n_max, "prompt_lookup_min": n_min} or None.
     enforce_eager: disable CUDA graphs and torch.compile.
@@ -43,6 +44,8 @@ class EngineConfig:
         weights kept quantized); activations stay in `dtype`. CPU only.
     quantization_group_size: int4 group along the input dim: 32, 64 or 128 (it must divide every layer).
     quantize_lm_head: quantize the logits weight too (a tied model keeps its embedding for lookups).
+    kv_cache_dtype: "auto" (the model's dtype), "fp8_e4m3" (alias "fp8") or "fp8_e5m2": K/V stored as float8
+        with a per-layer k_scale / v_scale (1.0), converted in the attention op; half of bf16's bytes.
     """
 
     model: str = ""
@@ -56,7 +59,7 @@ class EngineConfig:
     swap_space: Optional[float] = None
     preemption_mode: str = "swap"
     swap_min_tokens: int = 16
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     speculative_config: Optional[dict[str, Any]] = None
     enforce_eager: bool = False
     compile: Optional[bool] = None
@@ -67,6 +70,7 @@ class EngineConfig:
     quantization: Optional[str] = None
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
+    kv_cache_dtype: str = "auto"
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -97,6 +101,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be null, int8, int4 or gguf, got {self.quantization!r}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     def resolved(self, device_type: str) -> "EngineConfig":
         """A copy with every device-dependent default (None) filled in for `device_type` ("cpu" or "cuda")."""
@@ -116,6 +122,9 @@ def default_threads() -> int:
     except (AttributeError, OSError):
         return os.cpu_count() or 1
 
+
+# vLLM's names: "fp8" is fp8_e4m3 (torch.float8_e4m3fn); batchrun.kernels.kv_quant maps them to dtypes
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 # Defaults of the knobs left None, per device.
 # CPU: measured on SmolLM2-135M-Instruct (bf16) summarising stdlib docstrings (150-500-token chat

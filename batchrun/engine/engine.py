@@ -7,7 +7,7 @@ import time
 from typing import Any, Optional
 
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.kv_cache import BlockPool, KVCacheManager, blocks_needed
+from batchrun.engine.kv_cache import KVCacheManager, blocks_needed
 from batchrun.engine.runner import ModelRunner, resolve_device
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
@@ -37,11 +37,11 @@ class LLMEngine:
         self.max_model_len = max_len
         self.model_info = info
         self.runner = ModelRunner(config, info, max_len)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        host_pool = BlockPool(self.runner.num_host_blocks) if self.runner.num_host_blocks else None
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 num_host_blocks=self.runner.num_host_blocks)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   host_pool=host_pool, swap_min_tokens=config.swap_min_tokens,
+                                   swap_min_tokens=config.swap_min_tokens,
                                    eos_token_ids=self.eos_token_ids, max_model_len=max_len,
                                    stop_strings=self._hit_stop_string)
         self.spec_config = SpecConfig.from_dict(config.speculative_config)
@@ -196,10 +196,9 @@ class LLMEngine:
         s["peak_blocks_used"] = self.kv.pool.peak_used
         s["num_blocks"] = self.kv.num_blocks
         s["blocks_used"] = self.kv.pool.num_used
-        sch = self.scheduler
-        s["swapped_out_blocks"] = sch.swapped_out_blocks
-        s["swapped_in_blocks"] = sch.swapped_in_blocks
-        s["recomputed_tokens"] = sch.recomputed_tokens
+        s["swapped_out_blocks"] = self.kv.swapped_out_blocks
+        s["swapped_in_blocks"] = self.kv.swapped_in_blocks
+        s["recomputed_tokens"] = self.scheduler.recomputed_tokens
         s["prefix_cache_queries"] = self.kv.prefix_queries
         s["prefix_cache_hits"] = self.kv.prefix_hits
         s["spec_acceptance_rate"] = s["spec_accepted"] / s["spec_proposed"] if s["spec_proposed"] else 0.0

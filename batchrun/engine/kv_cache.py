@@ -1,158 +1,87 @@
-"""KV-cache bookkeeping (plain Python, no torch): block pool, ref counts, prefix-cache hashes, host swap pool.
+"""KVCacheManager: which KV block ids each sequence owns, on the device and in the host swap pool (plain
+Python, no torch). The tensors live in the runner; the scheduler asks this class and never a pool.
 
-The tensors live in the runner; this module only decides which block ids a sequence owns.
-
-Prefix caching: a full block is keyed by (parent block's key hash, its tokens). A hit is accepted only
-when the cached block's recorded parent is the block matched just before it, so a hash collision can
-never splice foreign K/V into a sequence. Freed blocks keep their key and stay matchable until
-evicted, least recently freed first. Blocks with ref count > 1 are shared and never written: only
-blocks past a sequence's last cache hit are ever written.
+allocate_slots is the one admission question: it takes a new sequence's cached prefix, keeps the
+watermark, allocates, and says None (changing nothing) when the work does not fit. swap_out/swap_in move
+a preempted sequence's blocks to and from the host pool and return the (src, dst) pairs the runner copies.
+Blocks with ref count > 1 are shared and never written: only blocks past a sequence's last cache hit are.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Hashable, Optional
+from typing import Callable, Hashable, Optional
 
+from batchrun.engine.block_pool import BlockPool, NoFreeBlocks, blocks_needed
 
-class NoFreeBlocks(RuntimeError):
-    pass
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-class BlockPool:
-    """Fixed pool of `num_blocks` ids. A block with ref count 0 is free (and evictable if cached).
-
-    The KV tensors behind the pool are allocated untouched (no RSS on CPU until a block is first
-    written), so the pool hands out a never-used id only when no used one is free: the memory a job
-    touches follows its peak working set, not the pool's size. Free used blocks are taken in this
-    order: those holding no cached prefix (least recently freed first), then cached ones, least
-    recently freed first, evicting their cache entry.
-    """
-
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self._free_plain: OrderedDict[int, None] = OrderedDict()    # free, used before, nothing cached
-        self._free_cached: OrderedDict[int, None] = OrderedDict()   # free, holding a published block; LRU first
-        self._next_fresh = 0                                        # ids >= this were never handed out
-        self._num_used = 0
-        self.peak_used = 0
-        # prefix cache
-        self.block_key: list[Optional[Hashable]] = [None] * num_blocks
-        self.block_parent: list[int] = [-1] * num_blocks
-        self.cached: dict[Hashable, int] = {}
-        self.evictions = 0
-
-    @property
-    def num_free(self) -> int:
-        return self.num_blocks - self._num_used
-
-    @property
-    def num_used(self) -> int:
-        return self._num_used
-
-    @property
-    def num_touched(self) -> int:
-        """Blocks ever handed out: all the KV tensors have paged in."""
-        return self._next_fresh
-
-    def allocate(self, n: int) -> list[int]:
-        if n > self.num_free:
-            raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free")
-        ids = []
-        plain, cached = self._free_plain, self._free_cached
-        for _ in range(n):
-            if plain:
-                b, _ = plain.popitem(last=False)
-            elif cached:
-                b, _ = cached.popitem(last=False)
-                del self.cached[self.block_key[b]]          # evict its cached content
-                self.block_key[b] = None
-                self.evictions += 1
-            else:
-                b = self._next_fresh
-                self._next_fresh += 1
-            self.ref_counts[b] = 1
-            ids.append(b)
-        self._num_used += n
-        if self._num_used > self.peak_used:
-            self.peak_used = self._num_used
-        return ids
-
-    def incref(self, ids: list[int]) -> None:
-        for b in ids:
-            if self.ref_counts[b] <= 0:
-                raise ValueError(f"incref of free block {b}")
-            self.ref_counts[b] += 1
-
-    def free(self, ids: list[int]) -> None:
-        """Drop one reference to each block; a block reaching 0 joins the free pool's most-recent end."""
-        for b in ids:
-            rc = self.ref_counts[b]
-            if rc <= 0:
-                raise ValueError(f"double free of block {b}")
-            self.ref_counts[b] = rc - 1
-            if rc == 1:
-                (self._free_plain if self.block_key[b] is None else self._free_cached)[b] = None
-                self._num_used -= 1
-
-    # -- prefix cache ------------------------------------------------------------------------
-    def lookup(self, key: Hashable, parent: int) -> Optional[int]:
-        b = self.cached.get(key)
-        if b is None or self.block_parent[b] != parent:
-            return None
-        return b
-
-    def take_cached(self, b: int) -> None:
-        """Add a reference to cached block b, reviving it from the free pool if needed."""
-        if self.ref_counts[b] == 0:
-            del self._free_cached[b]              # a cached block is free only in _free_cached
-            self._num_used += 1
-            self.peak_used = max(self.peak_used, self._num_used)
-        self.ref_counts[b] += 1
-
-    def register(self, b: int, key: Hashable, parent: int) -> None:
-        """Publish full block b under key, unless an identical block is already published."""
-        if key in self.cached or self.block_key[b] is not None:
-            return
-        self.cached[key] = b
-        self.block_key[b] = key
-        self.block_parent[b] = parent
-
-    def num_free_among(self, ids: list[int]) -> int:
-        return sum(1 for b in ids if self.ref_counts[b] == 0)
+__all__ = ["BlockPool", "KVCacheManager", "NoFreeBlocks", "blocks_needed"]
 
 
 class KVCacheManager:
-    """Grows and releases the block tables of sequences over one BlockPool, with optional prefix caching."""
+    """Block tables of sequences over one device BlockPool, with optional prefix caching and host swap pool.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    watermark: share of the device blocks an admission must leave free while other sequences hold blocks
+    (headroom for their decodes, so a new sequence does not force a preemption at once); a sequence that
+    would be the only holder is admitted without it, so one large sequence is never locked out.
+    num_host_blocks: blocks of the host swap pool (0: none; preemption then recomputes).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 watermark: float = 0.01, num_host_blocks: int = 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.host_pool: Optional[BlockPool] = BlockPool(num_host_blocks) if num_host_blocks else None
         self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
         self.prefix_queries = 0      # prompt tokens looked up
         self.prefix_hits = 0         # prompt tokens served from cache
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def num_new_blocks(self, seq, num_tokens: int) -> int:
-        """Blocks `seq` still needs so that its table covers `num_tokens` tokens."""
-        return max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
+    # -- admission and growth ----------------------------------------------------------------
+    def allocate_slots(self, seq, num_new_tokens: int, num_lookahead_tokens: int = 0,
+                       wait_for_prefix: Optional[Callable[[int], bool]] = None) -> Optional[list[int]]:
+        """Grow seq's block table to cover its computed tokens, up to `num_new_tokens` more of its own
+        tokens (fewer when fewer are left) and `num_lookahead_tokens` slots past them (draft tokens).
 
-    def can_allocate(self, n: int, reserve: int = 0) -> bool:
-        return n + reserve <= self.pool.num_free
-
-    def allocate(self, seq, num_tokens: int) -> None:
-        n = self.num_new_blocks(seq, num_tokens)
-        if n:
-            seq.block_table.extend(self.pool.allocate(n))
+        A sequence holding no blocks is being admitted: its longest cached prefix is taken first
+        (seq.num_computed_tokens moves past it; at least one token is left to compute), and the watermark
+        applies. With prefix caching on, wait_for_prefix(cached prompt tokens) -> True refuses it for now
+        (its next block is being computed by another sequence: waiting a step reuses it).
+        Returns the newly allocated block ids ([] when none were needed), or None when the work does not
+        fit or must wait; then nothing changed.
+        """
+        table = seq.block_table
+        if table:       # the hot path of a decode step (once per running sequence): no lookup, no watermark
+            computed = seq.num_computed_tokens
+            left = len(seq.token_ids) - computed
+            end = computed + (num_new_tokens if num_new_tokens < left else left) + num_lookahead_tokens
+            need = -(-end // self.block_size) - len(table)
+            if need <= 0:
+                return []
+            if need > self.pool.num_free:
+                return None
+            new = self.pool.allocate(need)
+            table.extend(new)
+            return new
+        bs, pool = self.block_size, self.pool
+        hits, keys = self._match_prefix(seq) if self.enable_prefix_caching else ([], [])
+        start = len(hits) * bs
+        if self.enable_prefix_caching and wait_for_prefix is not None and wait_for_prefix(start):
+            return None
+        n = min(num_new_tokens, seq.num_tokens - start) + num_lookahead_tokens
+        need = blocks_needed(start + n, bs) - len(hits)
+        reserve = self.watermark_blocks if pool.num_used else 0
+        # revived cached blocks leave the free pool too
+        if need + pool.num_free_among(hits) + reserve > pool.num_free:
+            return None
+        if self.enable_prefix_caching:
+            self._adopt_prefix(seq, hits, keys)
+        new = pool.allocate(need)
+        seq.block_table.extend(new)
+        return new
 
     def trim(self, seq, num_tokens: int) -> None:
         """Release blocks past those `num_tokens` tokens need (slots of rejected draft tokens)."""
@@ -162,20 +91,54 @@ class KVCacheManager:
             del seq.block_table[keep:]
 
     def free(self, seq) -> None:
+        """Release every block of seq, on the device and in the host pool."""
+        self._free_device(seq)
+        if seq.host_blocks:
+            self.host_pool.free(seq.host_blocks)
+            seq.host_blocks = []
+
+    def _free_device(self, seq) -> None:
         # newest blocks first, so a prefix's tail is evicted before its head
         self.pool.free(list(reversed(seq.block_table)))
         seq.block_table = []
         seq.block_keys = []
+
+    # -- swap -------------------------------------------------------------------------------
+    def swap_out(self, seq) -> Optional[list[tuple[int, int]]]:
+        """Move seq's device blocks to host blocks: the (device, host) pairs to copy, or None (no host pool,
+        or no room in it; nothing changed). The device blocks are free at once: the runner copies them out
+        before the step's forward can reuse them."""
+        host, n = self.host_pool, len(seq.block_table)
+        if host is None or n > host.num_free:
+            return None
+        seq.host_blocks = host.allocate(n)
+        pairs = list(zip(seq.block_table, seq.host_blocks))
+        self.swapped_out_blocks += n
+        self._free_device(seq)
+        return pairs
+
+    def swap_in(self, seq) -> Optional[list[tuple[int, int]]]:
+        """Move a swapped-out seq back to device blocks: the (host, device) pairs to copy, or None when the
+        device lacks room for its blocks plus the one its next token may open (nothing changed)."""
+        n = len(seq.host_blocks)
+        if n + 1 > self.pool.num_free:
+            return None
+        dev = self.pool.allocate(n)
+        pairs = list(zip(seq.host_blocks, dev))
+        # freed now: a swap-out in this same step may reuse them (the runner copies swap-ins first)
+        self.host_pool.free(seq.host_blocks)
+        self.swapped_in_blocks += n
+        seq.host_blocks = []
+        seq.block_table = dev
+        return pairs
 
     # -- prefix cache ------------------------------------------------------------------------
     def _key(self, parent_key: Optional[Hashable], seq, i: int) -> Hashable:
         bs = self.block_size
         return (hash(parent_key), tuple(seq.token_ids[i * bs:(i + 1) * bs]))
 
-    def match_prefix(self, seq) -> tuple[list[int], list[Hashable]]:
+    def _match_prefix(self, seq) -> tuple[list[int], list[Hashable]]:
         """Cached blocks (and their keys) of seq's longest cached prefix, leaving >= 1 token to compute."""
-        if not self.enable_prefix_caching:
-            return [], []
         keys: list[Hashable] = []
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -187,10 +150,7 @@ class KVCacheManager:
             hits.append(b)
         return hits, keys
 
-    def adopt_prefix(self, seq, hits: list[int], keys: list[Hashable]) -> None:
-        """Give seq (with an empty table) the blocks match_prefix found."""
-        if not self.enable_prefix_caching:
-            return
+    def _adopt_prefix(self, seq, hits: list[int], keys: list[Hashable]) -> None:
         for b in hits:
             self.pool.take_cached(b)
         seq.block_table = list(hits)

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from batchrun.kernels.kv_quant import bytes_view, kv_dtype
 from batchrun.models.attention import AttentionMetadata, TorchAttentionBackend
 from batchrun.engine.config import EngineConfig, default_threads
 from batchrun.engine.kv_cache import blocks_needed
@@ -83,11 +84,12 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.threads = apply_threads(config)
         self.dtype = info.torch_dtype(config.dtype)
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)     # float8 with kv_cache_dtype fp8
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         per_seq = blocks_needed(max_model_len, self.block_size)
         if config.kv_cache_memory is not None:        # refuse before any weight is read
-            self._check_fits_one_sequence(int(config.kv_cache_memory), info.kv_bytes_per_token(self.dtype), per_seq,
+            self._check_fits_one_sequence(int(config.kv_cache_memory), info.kv_bytes_per_token(self.kv_dtype), per_seq,
                                           max_model_len)
         self.quantization = config.quantization
         try:
@@ -109,7 +111,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
         attn = model.layers[0].self_attn
-        self.kv_bytes_per_token = info.kv_bytes_per_token(self.dtype)
+        self.kv_bytes_per_token = info.kv_bytes_per_token(self.kv_dtype)
         block_bytes = self.kv_bytes_per_token * self.block_size
         # more blocks than max_num_seqs full-length sequences can ever use is wasted memory
         useful = config.max_num_seqs * per_seq
@@ -118,9 +120,9 @@ class ModelRunner:
         self.num_blocks = int(min(budget // block_bytes, useful))
         shape = (info.num_layers, 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         if self.device.type == "cpu":
-            self.kv_caches = lazy_zeros(shape, self.dtype)   # paged in as blocks are first used
+            self.kv_caches = lazy_zeros(shape, self.kv_dtype)   # paged in as blocks are first used
         else:
-            self.kv_caches = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # host pool for swapped-out blocks: pinned on CUDA so copies run asynchronously. None of it on CPU
         # unless swap_space is set explicitly: there the device is the host, and preemption recomputes.
         host_blocks = 0
@@ -131,9 +133,9 @@ class ModelRunner:
         if host_blocks:
             host_shape = (*shape[:2], host_blocks, *shape[3:])
             if self.device.type == "cuda":
-                self.host_kv = torch.empty(host_shape, dtype=self.dtype, device="cpu", pin_memory=True)
+                self.host_kv = torch.empty(host_shape, dtype=self.kv_dtype, device="cpu", pin_memory=True)
             else:
-                self.host_kv = lazy_zeros(host_shape, self.dtype)
+                self.host_kv = lazy_zeros(host_shape, self.kv_dtype)
 
         self.forward_s = 0.0          # model forward + logits, summed over steps (host overhead = step - this)
         self._bufs_cap = (0, 0, 0)
@@ -205,7 +207,7 @@ class ModelRunner:
         attn = self.model.layers[0].self_attn
         nblk = sum(blocks_needed(n, self.block_size) for n in seqs)
         kv = torch.zeros((len(self.model.layers), 2, nblk, self.block_size, attn.num_kv_heads, attn.head_dim),
-                         dtype=self.dtype, device=self.device)
+                         dtype=self.kv_dtype, device=self.device)
         tables, slots, qsl, start = [], [], [0], 0
         width = max(blocks_needed(n, self.block_size) for n in seqs)
         for n in seqs:
@@ -241,6 +243,7 @@ class ModelRunner:
         return {
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "weights_bytes": self.weights_bytes,
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "block_size": self.block_size, "num_blocks": self.num_blocks, "kv_tokens": kv_tokens,
             "kv_bytes": kv_tokens * self.kv_bytes_per_token,
@@ -351,12 +354,13 @@ class ModelRunner:
         if swap_in:
             host = torch.tensor([h for h, _ in swap_in])
             dev = torch.tensor([d for _, d in swap_in], device=self.device)
-            blocks = self.host_kv.index_select(2, host).to(self.device, non_blocking=True)
-            self.kv_caches.index_copy_(2, dev, blocks)
+            # raw bytes (a float8 cache has no index_copy_): the copy is exact whatever the dtype
+            blocks = bytes_view(self.host_kv).index_select(2, host).to(self.device, non_blocking=True)
+            bytes_view(self.kv_caches).index_copy_(2, dev, blocks)
         if swap_out:
             dev = torch.tensor([d for d, _ in swap_out], device=self.device)
             host = torch.tensor([h for _, h in swap_out])
-            self.host_kv.index_copy_(2, host, self.kv_caches.index_select(2, dev).to("cpu"))
+            bytes_view(self.host_kv).index_copy_(2, host, bytes_view(self.kv_caches).index_select(2, dev).to("cpu"))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[tuple[ScheduledSeq, list[int]]]:

@@ -5,7 +5,8 @@ budget: a decode needs 1, a prefill takes what is left of the budget (a chunk). 
 separate prefill and decode phases. Running sequences are served oldest first; when device blocks
 run out the newest running sequence is preempted: swapped out to the host pool when it is long
 enough to be worth copying and the host pool has room, recomputed otherwise. Swapped sequences
-come back before any new request is admitted.
+come back before any new request is admitted. Every block question goes to the KVCacheManager
+(allocate_slots, swap_out, swap_in, free): the scheduler never touches a block pool.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from batchrun.engine.kv_cache import BlockPool, KVCacheManager
+from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.sequence import Sequence, SeqStatus
 
 
@@ -48,10 +49,11 @@ class Scheduler:
     """schedule() picks a step's work; update() applies the step's sampled tokens and finishes sequences.
 
     eos_token_ids, max_model_len and stop_strings (seq -> True when its text now holds a stop string, which
-    it then truncates) are what check_stop needs besides each sequence's own SamplingParams."""
+    it then truncates) are what check_stop needs besides each sequence's own SamplingParams. A preempted
+    sequence with fewer than swap_min_tokens computed tokens is recomputed rather than swapped; the
+    watermark and the host swap pool belong to `kv`."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01, host_pool: Optional[BlockPool] = None,
                  swap_min_tokens: int = 0, eos_token_ids=(), max_model_len: Optional[int] = None,
                  stop_strings: Optional[Callable[[Sequence], bool]] = None):
         self.kv = kv
@@ -62,15 +64,11 @@ class Scheduler:
         self.counters = {"spec_proposed": 0, "spec_accepted": 0, "decode_entries": 0, "decode_tokens": 0}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.watermark_blocks = int(watermark * kv.num_blocks)
-        self.host_pool = host_pool
         self.swap_min_tokens = swap_min_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
-        self.swapped_out_blocks = 0
-        self.swapped_in_blocks = 0
         self.recomputed_tokens = 0
 
     def add(self, seq: Sequence) -> None:
@@ -84,40 +82,36 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def schedule(self) -> SchedulerOutput:
+        """One step's work: swap-ins first, then every running sequence oldest first (preempting the newest
+        when blocks run out), then new admissions while the token budget lasts and nothing gave way."""
         out = SchedulerOutput()
         self._swap_in(out)
         budget = self.max_num_batched_tokens
         kv = self.kv
-        pool, bs = kv.pool, kv.block_size
+        allocate_slots = kv.allocate_slots
         running = self.running
         scheduled = out.scheduled
         i = 0
-        # the hot loop of a decode step: block arithmetic inlined (kv.num_new_blocks / kv.allocate)
         while i < len(running) and budget > 0:
             seq = running[i]
-            computed = seq.num_computed_tokens
-            n = len(seq.token_ids) - computed
+            n = len(seq.token_ids) - seq.num_computed_tokens
             draft = seq.draft
-            if draft:
-                if (n + len(draft) > budget
-                        or kv.num_new_blocks(seq, computed + n + len(draft)) > pool.num_free):
-                    draft = []            # drafts are optional: never preempt or chunk for them
-                else:
-                    n += len(draft)
-            if n > budget:
-                n = budget
-            need = -(-(computed + n) // bs) - len(seq.block_table)
-            preempted_self = False
-            while need > pool.num_free:
-                victim = running.pop()               # newest; never one already scheduled (index < i)
-                self._preempt(victim, out)
-                if victim is seq:
-                    preempted_self = True
+            # drafts are optional: never preempt or chunk for them
+            if draft and n + len(draft) <= budget and allocate_slots(seq, n, len(draft)) is not None:
+                n += len(draft)
+            else:
+                draft = []
+                if n > budget:
+                    n = budget
+                preempted_self = False
+                while allocate_slots(seq, n) is None:
+                    victim = running.pop()           # newest; never one already scheduled (index < i)
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        preempted_self = True
+                        break
+                if preempted_self:
                     break
-            if preempted_self:
-                break
-            if need > 0:
-                seq.block_table.extend(pool.allocate(need))
             scheduled.append(ScheduledSeq(seq, n, draft))
             seq.draft = []
             budget -= n
@@ -127,31 +121,24 @@ class Scheduler:
         while (not out.preempted and not self.swapped and self.waiting and budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]                        # its table is empty: preemption freed it
-            hits, keys = kv.match_prefix(seq)
-            if kv.enable_prefix_caching and self._prefix_in_flight(seq, len(hits)):
-                break       # its prefix is being computed right now: wait a step and reuse it
-            start = len(hits) * kv.block_size
-            n = min(seq.num_tokens - start, budget)
-            need = kv.num_new_blocks(seq, start + n) - len(hits)
-            need += kv.pool.num_free_among(hits)         # revived cached blocks leave the free pool too
-            reserve = self.watermark_blocks if self.running else 0
-            if not kv.can_allocate(need, reserve):
+            in_flight = lambda cached: self._prefix_in_flight(seq, cached)  # noqa: E731
+            if kv.allocate_slots(seq, budget, wait_for_prefix=in_flight) is None:
                 break
             self.waiting.popleft()
-            kv.adopt_prefix(seq, hits, keys)
-            kv.allocate(seq, start + n)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)   # past its cached prefix
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
 
-    def _prefix_in_flight(self, seq: Sequence, num_hits: int) -> bool:
-        """True when a running sequence is still prefilling the next block seq would have hit."""
+    def _prefix_in_flight(self, seq: Sequence, num_cached: int) -> bool:
+        """True when a running sequence is still prefilling the block seq would hit next, after the
+        num_cached tokens the prefix cache holds."""
         bs = self.kv.block_size
-        if (seq.num_tokens - 1) // bs <= num_hits:
+        if (seq.num_tokens - 1) // bs <= num_cached // bs:
             return False
-        hi = (num_hits + 1) * bs
+        hi = num_cached + bs
         for other in self.running:
             if (other.num_computed_tokens < hi <= other.num_prompt_tokens
                     and other.token_ids[:hi] == seq.token_ids[:hi]):
@@ -159,20 +146,13 @@ class Scheduler:
         return False
 
     def _swap_in(self, out: SchedulerOutput) -> None:
-        kv = self.kv
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            n = len(seq.host_blocks)
-            # room for its blocks plus the block its next token may open
-            if not kv.can_allocate(n + 1):
+            pairs = self.kv.swap_in(seq)
+            if pairs is None:
                 break
             self.swapped.popleft()
-            dev = kv.pool.allocate(n)
-            out.swap_in.extend(zip(seq.host_blocks, dev))
-            self.host_pool.free(seq.host_blocks)
-            self.swapped_in_blocks += n
-            seq.host_blocks = []
-            seq.block_table = dev
+            out.swap_in.extend(pairs)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
 
@@ -180,17 +160,13 @@ class Scheduler:
         seq.draft = []
         out.preempted.append(seq)
         self.num_preemptions += 1
-        n = len(seq.block_table)
-        host = self.host_pool
-        if (host is not None and seq.num_computed_tokens >= self.swap_min_tokens
-                and n <= host.num_free):
-            seq.host_blocks = host.allocate(n)
-            out.swap_out.extend(zip(seq.block_table, seq.host_blocks))
-            self.swapped_out_blocks += n
-            self.kv.free(seq)                 # copied out before this step's forward reuses them
-            seq.status = SeqStatus.SWAPPED
-            self.swapped.appendleft(seq)
-            return
+        if seq.num_computed_tokens >= self.swap_min_tokens:
+            pairs = self.kv.swap_out(seq)
+            if pairs is not None:
+                out.swap_out.extend(pairs)
+                seq.status = SeqStatus.SWAPPED
+                self.swapped.appendleft(seq)
+                return
         # recompute: drop the KV, keep the tokens; it re-prefills prompt + output when readmitted
         self.recomputed_tokens += seq.num_computed_tokens
         self.kv.free(seq)
@@ -257,11 +233,8 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
-        if seq.block_table:
+        if seq.block_table or seq.host_blocks:
             self.kv.free(seq)
-        if seq.host_blocks:
-            self.host_pool.free(seq.host_blocks)
-            seq.host_blocks = []
 
     def remove_finished(self) -> None:
         self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]

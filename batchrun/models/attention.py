@@ -2,7 +2,9 @@
 
 The runner orders a batch decodes first (one query token each), then prefill chunks.
 Every backend takes the same AttentionMetadata; the torch backend here is the CPU path
-and the reference the Triton backend is checked against.
+and the reference the Triton backend is checked against. The caches may be float8 (kv_cache_dtype fp8,
+batchrun.kernels.kv_quant): store_kv quantises with the layer's k_scale / v_scale, forward reads the codes
+times the scales.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from batchrun.kernels.kv_quant import bytes_view, dequantize, is_fp8, quantize
 
 
 @dataclass
@@ -77,28 +81,38 @@ class TorchAttentionBackend:
         return self._ops or None
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        ops = self._cpu_ops(k_cache)
+                 meta: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        ops = self._cpu_ops(k) if k_cache.device.type == "cpu" else None
         if ops is not None:                   # both caches in one call, k and v read in place
-            ops[1](k, v, k_cache, v_cache, meta.slot_mapping)
+            if is_fp8(k_cache.dtype):
+                ops[1](k, v, k_cache, v_cache, meta.slot_mapping, float(k_scale), float(v_scale))
+            else:
+                ops[1](k, v, k_cache, v_cache, meta.slot_mapping)
             return
         nb, bs, hkv, d = k_cache.shape
         slots = meta.slot_mapping
-        k_cache.view(nb * bs, hkv, d).index_copy_(0, slots, k)
-        v_cache.view(nb * bs, hkv, d).index_copy_(0, slots, v)
+        if is_fp8(k_cache.dtype):             # torch has no float8 index_copy_: the bytes are copied
+            k, v = bytes_view(quantize(k, k_cache.dtype, k_scale)), bytes_view(quantize(v, v_cache.dtype, v_scale))
+        bytes_view(k_cache).view(nb * bs, hkv, d).index_copy_(0, slots, k)
+        bytes_view(v_cache).view(nb * bs, hkv, d).index_copy_(0, slots, v)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, sliding_window: Optional[int]) -> torch.Tensor:
-        # q: [T, Hq, D]; caches: [N, bs, Hkv, D]
+                meta: AttentionMetadata, scale: float, sliding_window: Optional[int], k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        # q: [T, Hq, D]; caches: [N, bs, Hkv, D] (float8 ones are read as code x k_scale / v_scale)
         ops = self._cpu_ops(q)
         if ops is not None:
+            if is_fp8(k_cache.dtype):
+                return ops[0](q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                              float(scale), -1 if sliding_window is None else int(sliding_window), -1,
+                              float(k_scale), float(v_scale))
             return ops[0](q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, float(scale),
                       -1 if sliding_window is None else int(sliding_window), -1)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         B = len(lens)
         if meta.num_decodes == B:                      # a pure decode step: no index building
             return self._short(q[:, None], k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                               torch.ones_like(meta.seq_lens), scale, sliding_window)[:, 0]
+                               torch.ones_like(meta.seq_lens), scale, sliding_window, k_scale, v_scale)[:, 0]
         out = torch.empty_like(q)
         short = [i for i in range(B) if qsl[i + 1] - qsl[i] <= SHORT_QUERY]
         if short:
@@ -110,7 +124,7 @@ class TorchAttentionBackend:
             sel = torch.tensor(short, device=dev)
             qlen_t = torch.tensor(qlen, dtype=meta.seq_lens.dtype, device=q.device)
             o = self._short(q[rows], k_cache, v_cache, meta.block_tables[sel], meta.seq_lens[sel], qlen_t,
-                            scale, sliding_window)                                  # [b, Q, Hq, D]
+                            scale, sliding_window, k_scale, v_scale)                # [b, Q, Hq, D]
             valid = torch.arange(Q, device=dev)[None, :] < qlen_t[:, None]
             out[rows[valid]] = o[valid]
         bs = k_cache.shape[1]
@@ -121,8 +135,8 @@ class TorchAttentionBackend:
                 continue
             nblk = -(-ctx // bs)
             bt = meta.block_tables[i, :nblk].long()
-            k = k_cache[bt].flatten(0, 1)[:ctx].transpose(0, 1)[None]   # [1, Hkv, ctx, D]
-            v = v_cache[bt].flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            k = dequantize(k_cache[bt], k_scale, q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+            v = dequantize(v_cache[bt], v_scale, q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)[None]
             qi = q[start:end].transpose(0, 1)[None]                    # [1, Hq, ql, D]
             if ql == ctx and sliding_window is None:
                 o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -139,16 +153,16 @@ class TorchAttentionBackend:
     @staticmethod
     def _short(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float,
-               sliding_window: Optional[int]) -> torch.Tensor:
+               sliding_window: Optional[int], k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         # q: [B, Q, Hq, D], the last query_lens[b] tokens of each sequence (decodes: Q = 1; speculative
         # verification: 1 + drafts). Explicit matmuls: CPU SDPA with a mask falls back to a slow path in
-        # bf16, and grouping query heads by KV head avoids repeating K/V.
+        # bf16, and grouping query heads by KV head avoids repeating K/V. Float8 blocks: dequantised here.
         B, Q, Hq, D = q.shape
         bs, Hkv = k_cache.shape[1], k_cache.shape[2]
         nblk = -(-int(seq_lens.max()) // bs)
         bt = block_tables[:, :nblk].long()
-        k = k_cache[bt].flatten(1, 2)                                     # [B, L, Hkv, D]
-        v = v_cache[bt].flatten(1, 2)
+        k = dequantize(k_cache[bt], k_scale, q.dtype).flatten(1, 2)       # [B, L, Hkv, D]
+        v = dequantize(v_cache[bt], v_scale, q.dtype).flatten(1, 2)
         j = torch.arange(nblk * bs, device=q.device)
         pos = (seq_lens - query_lens)[:, None] + torch.arange(Q, device=q.device)[None, :]     # [B, Q]
         masked = j[None, None, :] > pos[:, :, None]                       # [B, Q, L]: causal, and past ctx
@@ -177,15 +191,18 @@ class TritonAttentionBackend:
         from batchrun.kernels.paged_prefill import paged_prefill_attention
         self._store, self._decode, self._prefill = store_kv, paged_decode_attention, paged_prefill_attention
 
-    def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+    def store_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: Optional[int]) -> torch.Tensor:
+                sliding_window: Optional[int], k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         nd = meta.num_decodes
         B = meta.seq_lens.shape[0]
         if nd == B:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                sliding_window=sliding_window, max_seq_len=meta.max_seq_len)
+                                sliding_window=sliding_window, max_seq_len=meta.max_seq_len,
+                                k_scale=k_scale, v_scale=v_scale)
         return self._prefill(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                             scale, meta.max_query_len, sliding_window=sliding_window)
+                             scale, meta.max_query_len, sliding_window=sliding_window, k_scale=k_scale,
+                             v_scale=v_scale)

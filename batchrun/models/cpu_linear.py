@@ -17,16 +17,15 @@ import torch
 from torch import nn
 
 from batchrun.kernels import cpu_gemm
-from batchrun.models.quant import QuantizedWeight
 
 PACKED_LINEAR_ENV = "BATCHRUN_CPU_PACKED_LINEAR"
 GEMM_ENV = "BATCHRUN_CPU_GEMM"      # "onednn": oneDNN's packed layout even where batchrun's own kernel runs
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [T, in] @ w[out, in].T + b -> [T, out]; w plain, packed by pack_linear_weights(), or quantized
-    (models/quant.py)."""
-    if isinstance(w, QuantizedWeight):
+    """x [T, in] @ w[out, in].T + b -> [T, out]; w plain, packed by pack_linear_weights(), or an object with
+    its own linear(x, b): quantized (models/quant.py) or row-parallel (models/tp.py)."""
+    if not isinstance(w, torch.Tensor):
         return w.linear(x, b)
     if w.dim() == 4:               # cpu_gemm's layout: [out/16, in/2, 16, 2]
         y = cpu_gemm.linear(x if x.stride(-1) == 1 else x.contiguous(), w, w.shape[0] * 16)

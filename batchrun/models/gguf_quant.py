@@ -61,6 +61,22 @@ def _file_types(info: ModelInfo) -> dict[str, str]:
     return {hf_name(t.name): t.tensor_type.name for t in open_reader(info.path).tensors}
 
 
+def _family(kinds: set[str]) -> str:
+    """How a layer whose file tensors have these types is kept: "int4" (all Q4_0/Q4_1), "int8" (all Q8_0)
+    or "dense"."""
+    if kinds and kinds <= set(INT4_TYPES):
+        return "int4"
+    return "int8" if kinds == {"Q8_0"} else "dense"
+
+
+def layer_families(info: ModelInfo) -> dict[str, str]:
+    """Our (fused) weight name -> _family of its file tensors; the header alone is read."""
+    groups: dict[str, set[str]] = {}
+    for hf, kind in _file_types(info).items():
+        groups.setdefault(_fused_name(hf)[0], set()).add(kind)
+    return {name: _family(kinds) for name, kinds in groups.items()}
+
+
 def keep_gguf_quantized(model: torch.nn.Module, info: ModelInfo, lm_head: bool, dtype: torch.dtype) -> dict:
     """Replace the loaded (dequantised) linear weights of a GGUF model by the file's quantized codes, as
     the module docstring says. Returns {"bytes": quantized bytes, "int4": layers, "int8": layers,
@@ -77,12 +93,12 @@ def keep_gguf_quantized(model: torch.nn.Module, info: ModelInfo, lm_head: bool, 
     tied = lm_head and getattr(model, "tie_word_embeddings", False)
     for name, mod in layers + ([("embed_tokens", None)] if tied else []):
         srcs = sorted(groups.get(f"{name}.weight", []), key=lambda hf: _fused_name(hf)[1] or 0)
-        kinds = {types[s] for s in srcs}
-        if srcs and kinds <= set(INT4_TYPES):
+        family = _family({types[s] for s in srcs})
+        if family == "int4":
             codes, scales, zeros = (torch.cat(p) for p in zip(*(int4[s] for s in srcs)))
             qw = Int4Weight(codes, scales, zeros, BLOCK, dtype, use_kernel)
             report["int4"] += 1
-        elif kinds == {"Q8_0"}:
+        elif family == "int8":
             dense = model.embed_tokens.weight if mod is None else mod.weight
             qw = quantize_int8(dense.detach(), dtype, use_kernel)
             report["int8"] += 1

@@ -98,6 +98,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, a.rms_norm_eps)
         self.sliding_window: Optional[int] = a.sliding_window
+        # a float8 KV cache holds k / k_scale and v / v_scale (kernels/kv_quant.py); 1.0 unless calibrated
+        self.k_scale = self.v_scale = 1.0
 
     def qkv_args(self):
         return (self.qkv_proj.weight, self.qkv_proj.bias,
@@ -105,8 +107,9 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, kv: torch.Tensor, meta: AttentionMetadata, backend) -> torch.Tensor:
         k_cache, v_cache = kv[0], kv[1]                          # [N, bs, Hkv, D]
-        backend.store_kv(k, v, k_cache, v_cache, meta)
-        return backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)  # [T, Hq, D]
+        backend.store_kv(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale)
+        return backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window,  # [T, Hq, D]
+                               self.k_scale, self.v_scale)
 
 
 class MLP(nn.Module):

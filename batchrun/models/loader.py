@@ -9,7 +9,7 @@ import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -196,29 +196,46 @@ def _fused_name(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def iter_weights(info: ModelInfo) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every weight on disk: safetensors as stored, GGUF dequantised to float32."""
+# HF name -> (dim, start, length) of the part to read, or None for all of it (models/tp.py's weight_slice)
+Slicer = Callable[[str], Optional[tuple[int, int, int]]]
+
+
+def _read_slice(sf, name: str, part: Optional[tuple[int, int, int]]) -> torch.Tensor:
+    if part is None:
+        return sf.get_tensor(name)
+    dim, start, length = part
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return sf.get_slice(name)[index]         # reads only those bytes
+
+
+def iter_weights(info: ModelInfo, slicer: Optional[Slicer] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every weight on disk: safetensors as stored, GGUF dequantised to float32; with
+    a slicer, the part of each tensor it names (read alone from safetensors; a GGUF tensor is dequantised
+    whole, then cut: its blocks run along the dim a row-parallel slice cuts)."""
     if info.format == "gguf":
         from batchrun.models.gguf import iter_gguf_weights
-        yield from iter_gguf_weights(info)
+        for name, tensor in iter_gguf_weights(info):
+            part = slicer(name) if slicer else None
+            yield name, tensor if part is None else tensor.narrow(*part).contiguous()
         return
     for f in info.weight_files:
         with _safetensors(f) as sf:
             for name in sf.keys():
                 try:
-                    tensor = sf.get_tensor(name)
+                    tensor = _read_slice(sf, name, slicer(name) if slicer else None)
                 except Exception as e:   # noqa: BLE001 - safetensors raises several types on bad bytes
                     raise ModelError(f"{f}: tensor {name!r} cannot be read ({type(e).__name__}: {e})") from e
                 yield name, tensor
 
 
-def load_weights(model: torch.nn.Module, info: ModelInfo) -> None:
+def load_weights(model: torch.nn.Module, info: ModelInfo, slicer: Optional[Slicer] = None) -> None:
     """Copy the weights into `model` (already built on its device and dtype), fusing q/k/v and gate/up;
-    each tensor is cast to the model's dtype as it is copied."""
+    each tensor is cast to the model's dtype as it is copied. A tensor-parallel shard passes the slicer
+    that names its part of each tensor (models/tp.py)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     source = "the GGUF metadata" if info.format == "gguf" else "config.json"
-    for hf_name, tensor in iter_weights(info):
+    for hf_name, tensor in iter_weights(info, slicer):
         if "rotary_emb.inv_freq" in hf_name:
             continue
         name, shard = _fused_name(hf_name)

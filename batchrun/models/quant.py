@@ -229,6 +229,53 @@ def check_quantization(mode: Optional[str], group: int, info, device: torch.devi
         check_group_size(info.config, group)
 
 
+def quantized_nbytes(kind: str, n: int, k: int, group: int, dtype: torch.dtype) -> int:
+    """Bytes of an [n, k] weight as Int8Weight ("int8") or Int4Weight ("int4", `group`) in `dtype`."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    if kind == "int8":
+        return n * k + n * elem                                   # codes, one scale per output channel
+    npad = -(-n // INT4_ROW_BLOCK) * INT4_ROW_BLOCK
+    return npad * k // 2 + (k // group) * npad * 2 * elem        # two codes a byte, (scale, zero) per group
+
+
+def linear_shapes(cfg: dict) -> list[tuple[str, int, int]]:
+    """(weight name in models/llama.py, out, in) of every projection, from config.json."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    d = cfg.get("head_dim") or hidden // heads
+    inter = cfg["intermediate_size"]
+    per_layer = [("self_attn.qkv_proj", (heads + 2 * kv_heads) * d, hidden), ("self_attn.o_proj", hidden, heads * d),
+                 ("mlp.gate_up_proj", 2 * inter, hidden), ("mlp.down_proj", hidden, inter)]
+    return [(f"layers.{i}.{name}.weight", n, k) for i in range(cfg["num_hidden_layers"]) for name, n, k in per_layer]
+
+
+def weight_bytes_after(info, mode: Optional[str], group: int, lm_head: bool, dtype: torch.dtype) -> tuple[int, int]:
+    """(every weight's bytes in memory, the quantized layers' share) once apply_quantization has run: the
+    engine's memory ledger, from config.json (and a GGUF file's header) alone, no weight read."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = info.num_params * elem
+    if mode is None:
+        return total, 0
+    cfg = info.config
+    shapes = linear_shapes(cfg)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    if lm_head:
+        shapes.append(("embed_tokens.weight" if tied else "lm_head.weight", cfg["vocab_size"], cfg["hidden_size"]))
+    families = None
+    if mode == "gguf":
+        from batchrun.models.gguf_quant import BLOCK, layer_families
+        families, group = layer_families(info), BLOCK
+    quant = 0
+    for name, n, k in shapes:
+        kind = mode if families is None else families.get(name, "dense")
+        if kind == "dense":
+            continue
+        quant += quantized_nbytes(kind, n, k, group, dtype)
+        if not (tied and name == "embed_tokens.weight"):      # a tied model keeps its embedding for lookups
+            total -= n * k * elem
+    return total + quant, quant
+
+
 def apply_quantization(model: nn.Module, info, mode: str, group: int, lm_head: bool, dtype: torch.dtype) -> int:
     """The engine's entry, after load_weights: quantize (int8, int4) or take the GGUF file's codes (gguf).
     Returns the quantized weights' bytes."""

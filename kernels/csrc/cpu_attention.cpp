@@ -3,6 +3,11 @@
 // batchrun_cpu::paged_attention(q [T, Hq, D], k_cache, v_cache [N, bs, Hkv, D], query_start_loc [B+1] int32,
 //                           seq_lens [B] int32, block_tables [B, W] int32, scale, sliding_window, isa) -> [T, Hq, D]
 //
+// The caches hold q's dtype, or float8 (e4m3fn, e5m2: kv_cache_dtype fp8) read as x * k_scale / v_scale: each
+// row is converted to float in registers as its tile is loaded, k_scale folded into the query scale and
+// v_scale into the output's normalisation. store_kv writes float8 as the reference does: round-to-nearest
+// of x * (1 / scale) (the reciprocal rounded to float), saturated to the format's largest finite value.
+//
 // Sequence b's queries are rows query_start_loc[b] .. query_start_loc[b+1] of q, the last qlen positions of
 // its context of seq_lens[b] tokens (query t sits at seq_lens[b] - qlen + t). Causal, GQA, optional sliding
 // window (a query at p sees keys j with p - window < j <= p), online softmax in float.
@@ -71,6 +76,7 @@ struct Params {
   int64_t nblocks;
   int bs, G, D;
   float scale;
+  float v_scale;  // K/V stored as float8: the value scale (k_scale is folded into `scale`); else 1
   int window;  // a huge value when there is no window
   const Group* groups;
   const Item* items;
@@ -83,6 +89,17 @@ struct Params {
 template <typename T>
 BR_INLINE void load_row(const T* BR_RESTRICT src, float* BR_RESTRICT dst, int D) {
   for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
+}
+// a K or V row as floats: the vector float8 conversion, else load_row
+template <int V, typename KT>
+BR_INLINE void load_kv_row(const KT* BR_RESTRICT src, float* BR_RESTRICT dst, int D) {
+  if constexpr (is_fp8<KT>) {
+    int d = 0;
+    for (; d + V <= D; d += V) vstore<V>(dst + d, vload_fp8<V>(src + d));
+    for (; d < D; ++d) dst[d] = to_f(src[d]);
+  } else {
+    load_row(src, dst, D);
+  }
 }
 template <typename T>
 BR_INLINE void store_row(const float* BR_RESTRICT src, float mul, T* BR_RESTRICT dst, int D) {
@@ -120,8 +137,9 @@ BR_INLINE void pv_block(float* BR_RESTRICT acc, int DP, int r0, int c0, const fl
 }
 
 // One work item: query rows (tokens t0..t1 x the G query heads of KV head h) against keys [k0, k1).
-// T: storage type; DT: head_dim when specialised (64, 128), else 0; V: floats per vector register.
-template <typename T, int DT, int V>
+// T: q and output type; KT: the caches' (T, or a float8 type); DT: head_dim when specialised (64, 128), else
+// 0; V: floats per vector register.
+template <typename T, typename KT, int DT, int V>
 BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) {
   typedef typename VT<V>::f F;
   const Group& g = P.groups[it.group];
@@ -145,8 +163,8 @@ BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) 
   float* BR_RESTRICT acc = posf + RP;     // [RP][DP]
 
   const T* q = static_cast<const T*>(P.q);
-  const T* kc = static_cast<const T*>(P.k);
-  const T* vc = static_cast<const T*>(P.v);
+  const KT* kc = static_cast<const KT*>(P.k);
+  const KT* vc = static_cast<const KT*>(P.v);
   const float scale = P.scale;
 
   // this group's queries, scaled, as float; pad rows and columns are zeros
@@ -183,9 +201,9 @@ BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) 
 
   // row pointers of a tile's keys and values; the next tile's are found, and prefetched into L2 (a hint
   // to L1 measured slower: it ties up the line-fill buffers), a tile ahead
-  const T* kp[2][TK];
-  const T* vp[2][TK];
-  auto locate = [&](int k0, int n, const T** kr, const T** vr) {
+  const KT* kp[2][TK];
+  const KT* vp[2][TK];
+  auto locate = [&](int k0, int n, const KT** kr, const KT** vr) {
     int bi = k0 / bs, off = k0 - bi * bs;
     int64_t blk = table[bi];  // block ids were checked against the cache size before the parallel region
     for (int j = 0; j < n; ++j, ++off) {
@@ -197,7 +215,7 @@ BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) 
       vr[j] = vc + blk * P.vs0 + off * P.vs1 + voff;
     }
   };
-  const int row_bytes = D * static_cast<int>(sizeof(T));
+  const int row_bytes = D * static_cast<int>(sizeof(KT));
   if (it.k0 < it.k1) locate(it.k0, std::min(TK, it.k1 - it.k0), kp[0], vp[0]);
   int cur = 0;
   for (int k0 = it.k0; k0 < it.k1; k0 += TK, cur ^= 1) {
@@ -213,8 +231,8 @@ BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) 
     }
     // the tile's keys and values, read in place from their blocks, as float
     for (int j = 0; j < n; ++j) {
-      load_row(kp[cur][j], kf + j * DP, D);
-      load_row(vp[cur][j], vf + j * DP, D);
+      load_kv_row<V>(kp[cur][j], kf + j * DP, D);
+      load_kv_row<V>(vp[cur][j], vf + j * DP, D);
     }
     for (int j = n; j < TK; ++j) {  // a short last tile: zeros, masked below
       std::fill(kf + j * DP, kf + (j + 1) * DP, 0.0f);
@@ -330,7 +348,7 @@ BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) 
     for (int r = 0; r < R; ++r) {
       const int t = g.t0 + r / G, hq = h * G + r % G;
       T* op = out + static_cast<int64_t>(qbeg + t) * P.os0 + static_cast<int64_t>(hq) * P.os1;
-      store_row(acc + r * DP, l[r] > 0.0f ? 1.0f / l[r] : 0.0f, op, D);
+      store_row(acc + r * DP, l[r] > 0.0f ? P.v_scale / l[r] : 0.0f, op, D);
     }
   } else {
     float* st = P.part_stats + static_cast<int64_t>(it.slot) * P.max_rows * 2;
@@ -343,62 +361,69 @@ BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) 
   }
 }
 
-template <typename T, int DT, int V>
+template <typename T, typename KT, int DT, int V>
 BR_INLINE void work(const Params& P, std::atomic<int>& next, float* ws) {
   for (int i = next.fetch_add(1, std::memory_order_relaxed); i < P.nitems;
        i = next.fetch_add(1, std::memory_order_relaxed))
-    run_item<T, DT, V>(P, P.items[i], ws);
+    run_item<T, KT, DT, V>(P, P.items[i], ws);
 }
 
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
+enum KvType { KV_SAME = 0, KV_E4M3 = 1, KV_E5M2 = 2 };  // the caches: q's dtype, or float8
 
-// Dispatch on dtype and head_dim; instantiated once per ISA below. Head dims 64 and 128 get their own
-// code (accumulators in registers); others, and float16, take the generic loops.
-#define BR_DISPATCH_BODY(V)                                           \
-  const int D = P.D;                                                  \
-  switch (dt) {                                                       \
-    case F32:                                                         \
-      if (D == 64) return work<float, 64, V>(P, next, ws);            \
-      if (D == 128) return work<float, 128, V>(P, next, ws);          \
-      return work<float, 0, V>(P, next, ws);                          \
-    case BF16:                                                        \
-      if (D == 64) return work<c10::BFloat16, 64, V>(P, next, ws);    \
-      if (D == 128) return work<c10::BFloat16, 128, V>(P, next, ws);  \
-      return work<c10::BFloat16, 0, V>(P, next, ws);                  \
-    default:                                                          \
-      return work<c10::Half, 0, V>(P, next, ws);                      \
+// head_dim 64 and 128 get their own code (accumulators in registers) when SPEC; others take the generic loops
+template <typename T, typename KT, bool SPEC, int V>
+BR_INLINE void work_d(const Params& P, std::atomic<int>& next, float* ws) {
+  if constexpr (SPEC) {
+    if (P.D == 64) return work<T, KT, 64, V>(P, next, ws);
+    if (P.D == 128) return work<T, KT, 128, V>(P, next, ws);
   }
-#define BR_DISPATCH_GENERIC(V)                                        \
-  switch (dt) {                                                       \
-    case F32: return work<float, 0, V>(P, next, ws);                  \
-    case BF16: return work<c10::BFloat16, 0, V>(P, next, ws);         \
-    default: return work<c10::Half, 0, V>(P, next, ws);               \
+  work<T, KT, 0, V>(P, next, ws);
+}
+template <typename T, bool SPEC, int V>
+BR_INLINE void work_kv(const Params& P, KvType kv, std::atomic<int>& next, float* ws) {
+  if (kv == KV_E4M3) return work_d<T, c10::Float8_e4m3fn, SPEC, V>(P, next, ws);
+  if (kv == KV_E5M2) return work_d<T, c10::Float8_e5m2, SPEC, V>(P, next, ws);
+  work_d<T, T, SPEC, V>(P, next, ws);
+}
+// Dispatch on q's dtype, the caches' and head_dim; instantiated once per ISA below (float16: generic loops).
+template <bool SPEC, int V>
+BR_INLINE void dispatch(const Params& P, Dtype dt, KvType kv, std::atomic<int>& next, float* ws) {
+  switch (dt) {
+    case F32: return work_kv<float, SPEC, V>(P, kv, next, ws);
+    case BF16: return work_kv<c10::BFloat16, SPEC, V>(P, kv, next, ws);
+    default: return work_kv<c10::Half, false, V>(P, kv, next, ws);
   }
+}
 
 #ifdef BR_X86_DISPATCH
 // x86-64 machines without AVX2 are rare: the baseline build is the generic one only
-void work_base(const Params& P, Dtype dt, std::atomic<int>& next, float* ws) { BR_DISPATCH_GENERIC(4) }
+void work_base(const Params& P, Dtype dt, KvType kv, std::atomic<int>& next, float* ws) {
+  dispatch<false, 4>(P, dt, kv, next, ws);
+}
 #else
-void work_base(const Params& P, Dtype dt, std::atomic<int>& next, float* ws) { BR_DISPATCH_BODY(4) }
+void work_base(const Params& P, Dtype dt, KvType kv, std::atomic<int>& next, float* ws) {
+  dispatch<true, 4>(P, dt, kv, next, ws);
+}
 #endif
 
 #ifdef BR_X86_DISPATCH
-__attribute__((target("avx2,fma,f16c"))) void work_avx2(const Params& P, Dtype dt, std::atomic<int>& next,
-                                                         float* ws) {
-  BR_DISPATCH_BODY(8)
+__attribute__((target("avx2,fma,f16c"))) void work_avx2(const Params& P, Dtype dt, KvType kv,
+                                                         std::atomic<int>& next, float* ws) {
+  dispatch<true, 8>(P, dt, kv, next, ws);
 }
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512"))) void
-work_avx512(const Params& P, Dtype dt, std::atomic<int>& next, float* ws) {
-  BR_DISPATCH_BODY(16)
+work_avx512(const Params& P, Dtype dt, KvType kv, std::atomic<int>& next, float* ws) {
+  dispatch<true, 16>(P, dt, kv, next, ws);
 }
 #endif
 
-void run_work(const Params& P, Dtype dt, int isa, std::atomic<int>& next, float* ws) {
+void run_work(const Params& P, Dtype dt, KvType kv, int isa, std::atomic<int>& next, float* ws) {
 #ifdef BR_X86_DISPATCH
-  if (isa == 2) return work_avx512(P, dt, next, ws);
-  if (isa == 1) return work_avx2(P, dt, next, ws);
+  if (isa == 2) return work_avx512(P, dt, kv, next, ws);
+  if (isa == 1) return work_avx2(P, dt, kv, next, ws);
 #endif
-  work_base(P, dt, next, ws);
+  work_base(P, dt, kv, next, ws);
 }
 
 template <typename T>
@@ -424,14 +449,15 @@ void merge_group(const Params& P, const Group& g) {
     }
     const int t = g.t0 + r / G, hq = g.h * G + r % G;
     T* op = out + static_cast<int64_t>(qbeg + t) * P.os0 + static_cast<int64_t>(hq) * P.os1;
-    store_row(o.data(), L > 0.0f ? 1.0f / L : 0.0f, op, D);
+    store_row(o.data(), L > 0.0f ? P.v_scale / L : 0.0f, op, D);
   }
 }
 
 #define BR_CHECK(cond, ...) STD_TORCH_CHECK(cond, "paged_attention: ", __VA_ARGS__)
 
 Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens,
-                       Tensor block_tables, double scale, int64_t sliding_window, int64_t isa) {
+                       Tensor block_tables, double scale, int64_t sliding_window, int64_t isa, double k_scale,
+                       double v_scale) {
   BR_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu(), "CPU tensors only");
   BR_CHECK(q.dim() == 3, "q must be [T, Hq, D], got ", q.dim(), " dims");
   BR_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "k_cache, v_cache must be [num_blocks, block_size, Hkv, D]");
@@ -440,7 +466,13 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   const ScalarType st = q.scalar_type();
   BR_CHECK(st == ScalarType::Float || st == ScalarType::BFloat16 || st == ScalarType::Half,
            "dtype must be float32, bfloat16 or float16");
-  BR_CHECK(k_cache.scalar_type() == st && v_cache.scalar_type() == st, "q, k_cache, v_cache dtypes differ");
+  const ScalarType kst = k_cache.scalar_type();
+  const KvType kv = kst == ScalarType::Float8_e4m3fn ? KV_E4M3 : kst == ScalarType::Float8_e5m2 ? KV_E5M2 : KV_SAME;
+  BR_CHECK((kv != KV_SAME || kst == st) && v_cache.scalar_type() == kst,
+           "q, k_cache, v_cache dtypes differ (the caches may be float8_e4m3fn or float8_e5m2 instead)");
+  BR_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+           "k_scale and v_scale must be positive");
+  BR_CHECK(kv != KV_SAME || (k_scale == 1.0 && v_scale == 1.0), "k_scale and v_scale apply to float8 caches only");
   BR_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
            "the head dimension must be contiguous");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -559,7 +591,8 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   P.bs = static_cast<int>(bs);
   P.G = G;
   P.D = static_cast<int>(D);
-  P.scale = static_cast<float>(scale);
+  P.scale = static_cast<float>(scale) * static_cast<float>(k_scale);   // exactly `scale` when k_scale is 1
+  P.v_scale = static_cast<float>(v_scale);
   P.window = window;
   P.groups = groups.data();
   P.items = items.data();
@@ -577,7 +610,7 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   auto body = [&](int64_t, int64_t) {
     thread_local std::vector<float> ws;
     if (ws.size() < ws_floats) ws.resize(ws_floats);
-    run_work(P, dt, use_isa, next, ws.data());
+    run_work(P, dt, kv, use_isa, next, ws.data());
   };
   if (nworkers <= 1) body(0, 1);
   else torch::stable::parallel_for(0, nworkers, 1, body);
@@ -600,16 +633,41 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   return out;
 }
 
+// one row of D values as float8: x * inv (float), saturated to +-max (NaN stays NaN), rounded to nearest even
+template <typename S, typename F8>
+void quantize_row(const S* BR_RESTRICT src, F8* BR_RESTRICT dst, int64_t D, float inv) {
+  const float mx = static_cast<float>(std::numeric_limits<F8>::max());
+  for (int64_t d = 0; d < D; ++d) {
+    const float x = to_f(src[d]) * inv;
+    dst[d] = F8(x > mx ? mx : x < -mx ? -mx : x);
+  }
+}
+template <typename F8>
+void quantize_row_any(ScalarType st, const char* src, char* dst, int64_t D, float inv) {
+  F8* out = reinterpret_cast<F8*>(dst);
+  if (st == ScalarType::Float) quantize_row(reinterpret_cast<const float*>(src), out, D, inv);
+  else if (st == ScalarType::BFloat16) quantize_row(reinterpret_cast<const c10::BFloat16*>(src), out, D, inv);
+  else quantize_row(reinterpret_cast<const c10::Half*>(src), out, D, inv);
+}
+
 // k, v [T, Hkv, D] (a view of the qkv projection is fine) into the caches [N, bs, Hkv, D] at slot_mapping [T]
-// int64 (block * bs + offset); a negative slot is padding and skipped. One call stores both.
-void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping) {
+// int64 (block * bs + offset); a negative slot is padding and skipped. One call stores both. Float8 caches
+// take k / k_scale and v / v_scale (see the top of this file); others a copy (the scales must then be 1).
+void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, double k_scale,
+              double v_scale) {
   STD_TORCH_CHECK(k.is_cpu() && v.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() && slot_mapping.is_cpu(),
                   "store_kv: CPU tensors only");
   STD_TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
                   "store_kv: k, v must be [T, Hkv, D] and the caches [N, bs, Hkv, D]");
-  const ScalarType st = k_cache.scalar_type();
-  STD_TORCH_CHECK(k.scalar_type() == st && v.scalar_type() == st && v_cache.scalar_type() == st,
-                  "store_kv: k, v and the caches must share a dtype");
+  const ScalarType st = k.scalar_type(), cst = k_cache.scalar_type();
+  const bool e4m3 = cst == ScalarType::Float8_e4m3fn, fp8 = e4m3 || cst == ScalarType::Float8_e5m2;
+  STD_TORCH_CHECK(v.scalar_type() == st && v_cache.scalar_type() == cst && (cst == st || fp8),
+                  "store_kv: k and v must share a dtype, and the caches that dtype or float8_e4m3fn / float8_e5m2");
+  STD_TORCH_CHECK(st == ScalarType::Float || st == ScalarType::BFloat16 || st == ScalarType::Half || !fp8,
+                  "store_kv: float8 caches take float32, bfloat16 or float16 k and v");
+  STD_TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0 &&
+                      (fp8 || (k_scale == 1.0 && v_scale == 1.0)),
+                  "store_kv: k_scale and v_scale must be positive, and 1 unless the caches are float8");
   const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
   for (int i = 0; i < 3; ++i)
     STD_TORCH_CHECK(v.size(i) == k.size(i), "store_kv: k and v shapes differ");
@@ -627,7 +685,8 @@ void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_ma
   for (int64_t t = 0; t < T; ++t)
     STD_TORCH_CHECK(slots[t] < nslots, "store_kv: slot_mapping[", t, "] = ", slots[t], " is past the cache (",
                     nslots, " slots)");
-  const size_t esz = k.element_size();
+  const size_t esz = k.element_size(), cesz = k_cache.element_size();
+  const float kinv = static_cast<float>(1.0 / k_scale), vinv = static_cast<float>(1.0 / v_scale);
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());
@@ -641,8 +700,20 @@ void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_ma
       if (slot < 0) continue;
       const int64_t blk = slot / bs, off = slot % bs;
       for (int64_t h = 0; h < H; ++h) {
-        std::memcpy(kc + (blk * kc0 + off * kc1 + h * kc2) * esz, kp + (t * ks0 + h * ks1) * esz, D * esz);
-        std::memcpy(vc + (blk * vc0 + off * vc1 + h * vc2) * esz, vp + (t * vs0 + h * vs1) * esz, D * esz);
+        char* kd = kc + (blk * kc0 + off * kc1 + h * kc2) * cesz;
+        char* vd = vc + (blk * vc0 + off * vc1 + h * vc2) * cesz;
+        const char* ks = kp + (t * ks0 + h * ks1) * esz;
+        const char* vs = vp + (t * vs0 + h * vs1) * esz;
+        if (!fp8) {
+          std::memcpy(kd, ks, D * esz);
+          std::memcpy(vd, vs, D * esz);
+        } else if (e4m3) {
+          quantize_row_any<c10::Float8_e4m3fn>(st, ks, kd, D, kinv);
+          quantize_row_any<c10::Float8_e4m3fn>(st, vs, vd, D, vinv);
+        } else {
+          quantize_row_any<c10::Float8_e5m2>(st, ks, kd, D, kinv);
+          quantize_row_any<c10::Float8_e5m2>(st, vs, vd, D, vinv);
+        }
       }
     }
   };
@@ -656,8 +727,10 @@ int64_t cpu_isa() { return best_isa(); }
 
 STABLE_TORCH_LIBRARY(batchrun_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_tables, float scale, int sliding_window, int isa=-1) -> Tensor");
-  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+        "Tensor block_tables, float scale, int sliding_window, int isa=-1, float k_scale=1.0, "
+        "float v_scale=1.0) -> Tensor");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("cpu_isa() -> int");
 }
 

@@ -3,11 +3,14 @@
 #pragma once
 
 #include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Float8_e4m3fn.h>
+#include <torch/headeronly/util/Float8_e5m2.h>
 #include <torch/headeronly/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__GNUC__) || defined(__clang__)
 #define BR_INLINE inline __attribute__((always_inline))
@@ -32,6 +35,11 @@ BR_INLINE float to_f(c10::BFloat16 x) {
   return f;
 }
 BR_INLINE float to_f(c10::Half x) { return static_cast<float>(x); }
+BR_INLINE float to_f(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+BR_INLINE float to_f(c10::Float8_e5m2 x) { return static_cast<float>(x); }
+
+template <typename T>
+constexpr bool is_fp8 = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
 
 // ---- vectors: GCC/Clang vector extensions of V floats, V = 16 (AVX-512: one zmm), 8 (AVX2: one ymm) or 4
 // (SSE, NEON): one register each, so the accumulators below stay in registers on every ISA ----
@@ -41,6 +49,7 @@ struct VT {
   typedef int32_t i __attribute__((vector_size(4 * V)));
   typedef uint32_t u __attribute__((vector_size(4 * V)));
   typedef uint16_t h __attribute__((vector_size(2 * V)));  // V bfloat16 bit patterns
+  typedef uint8_t b __attribute__((vector_size(V)));       // V float8 bit patterns
 };
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
@@ -136,6 +145,39 @@ BR_INLINE void vstore_bf16(c10::BFloat16* p, typename VT<V>::f x) {
   const U16 out = __builtin_convertvector(r, U16);
   std::memcpy(p, &out, sizeof out);
 }
+// V float8 values at p as V floats, exactly, by moving the bit fields (no table, no gather). A normal
+// value's exponent is rebased (e4m3: bias 7 -> 127, e5m2: 15 -> 127); a subnormal is its mantissa times
+// 2^-9 (e4m3) or 2^-16 (e5m2), converted as an integer (no float denormals, so flush-to-zero modes are moot);
+// e4m3fn's 0x7f is NaN, e5m2's top exponent inf/NaN, as in torch.
+template <int V>
+BR_INLINE typename VT<V>::f vload_fp8(const c10::Float8_e4m3fn* p) {
+  typedef typename VT<V>::u U32;
+  typedef typename VT<V>::f F;
+  typename VT<V>::b raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const U32 u = __builtin_convertvector(raw, U32);
+  const U32 a = u & 0x7fu;
+  const F sub = __builtin_convertvector(a, F) * (1.0f / 512.0f);
+  U32 bits = (a >= 8u) ? (a << 20) + (120u << 23) : reinterpret_cast<const U32&>(sub);
+  bits = (a == 0x7fu) ? U32{} + 0x7fc00000u : bits;
+  bits |= (u & 0x80u) << 24;
+  return reinterpret_cast<const F&>(bits);
+}
+template <int V>
+BR_INLINE typename VT<V>::f vload_fp8(const c10::Float8_e5m2* p) {
+  typedef typename VT<V>::u U32;
+  typedef typename VT<V>::f F;
+  typename VT<V>::b raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const U32 u = __builtin_convertvector(raw, U32);
+  const U32 a = u & 0x7fu;
+  const F sub = __builtin_convertvector(a, F) * (1.0f / 65536.0f);
+  U32 bits = (a >= 4u) ? (a << 21) + (112u << 23) : reinterpret_cast<const U32&>(sub);
+  bits = (a >= 0x7cu) ? (a << 21) | 0x7f800000u : bits;
+  bits |= (u & 0x80u) << 24;
+  return reinterpret_cast<const F&>(bits);
+}
+
 template <int V>
 BR_INLINE typename VT<V>::f vload_t(const float* p) { return vload<V>(p); }
 template <int V>
