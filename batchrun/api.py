@@ -18,7 +18,8 @@ class LLM:
 
     Keyword arguments are EngineConfig fields (vLLM's names): max_num_seqs, max_num_batched_tokens,
     block_size, max_model_len, kv_cache_memory, gpu_memory_utilization, swap_space,
-    enable_prefix_caching, speculative_config, enforce_eager, device, seed.
+    enable_prefix_caching, speculative_config, enforce_eager, device, seed, tensor_parallel_size (then
+    close() the LLM, or use it as a context manager, to stop the worker processes).
     """
 
     def __init__(self, model: str, dtype: str = "auto", tokenizer: Any = None, **engine_kwargs: Any):
@@ -29,6 +30,16 @@ class LLM:
         self.engine = LLMEngine(self.config, tokenizer)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
+
+    def close(self) -> None:
+        """Release what outlives the Python object: tensor-parallel worker processes (a no-op on one rank)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def stats(self) -> dict:

@@ -33,6 +33,8 @@ EXIT_INTERRUPTED = 75     # EX_TEMPFAIL: SIGTERM/SIGINT; re-submit to resume
 
 # OSErrors that no retry fixes but a person can (permissions, a full or read-only disk): storage failed
 STORAGE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EIO}
+# ... of which these are the device's even where the error names no file (a full disk's write or fsync)
+DEVICE_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EIO}
 
 # (module, class, exit code), most specific first. Matched only when the module is already imported:
 # an exception of a class whose module was never loaded cannot exist, and importing it here would
@@ -40,6 +42,7 @@ STORAGE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.ED
 _KINDS = [
     ("batchrun.errors", "StartupInterrupted", EXIT_INTERRUPTED),
     ("batchrun.job.run", "Interrupted", EXIT_INTERRUPTED),
+    ("batchrun.engine.tp_group", "TPWorkerError", EXIT_INTERRUPTED),   # a rank died (OOM killer...): resume
     ("builtins", "KeyboardInterrupt", EXIT_INTERRUPTED),      # Ctrl-C where no handler of ours stands
     ("batchrun.job.schema", "JobError", EXIT_BAD_JOB),
     ("batchrun.connectors.secrets", "MissingEnvVar", EXIT_BAD_JOB),   # a ${VAR} unset where it was expanded
@@ -70,6 +73,8 @@ def classify(e: BaseException) -> tuple[int, str]:
             return code, one_line(e) or type(e).__name__
     if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS and e.filename:
         return EXIT_STORAGE, one_line(f"{e.filename}: {e.strerror or e}")
+    if isinstance(e, OSError) and e.errno in DEVICE_ERRNOS:      # a write() or fsync() names no file
+        return EXIT_STORAGE, one_line(f"storage I/O failed: {e.strerror or e} (errno {e.errno})")
     if isinstance(e, ValueError):       # InputError, ModelError, TokenizerError: they name the file
         return EXIT_INPUT, one_line(e)
     return EXIT_UNEXPECTED, one_line(f"unexpected error: {type(e).__name__}: {e}")

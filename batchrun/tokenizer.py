@@ -12,186 +12,17 @@ importing transformers:
 """
 from __future__ import annotations
 
-import json
 import os
-from datetime import datetime
-from functools import lru_cache
 from typing import Any, Optional
 
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
+from batchrun.chat_template import TokenizerError, compile_template, normalize_messages, plain  # noqa: F401
+from batchrun.tokenizer_files import added_token, ids_of, read_json, read_text
+
 # transformers' named special-token attributes, in its order (also the template variables they become)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-
-
-class TokenizerError(ValueError):
-    """A tokenizer directory, file or chat template that cannot be used; the message names it."""
-
-
-# -- chat templates ----------------------------------------------------------------------------------
-
-def _raise_exception(message: str):
-    import jinja2
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None, separators=None,
-            sort_keys: bool = False) -> str:
-    # jinja's own tojson HTML-escapes <, >, & and ' which chat templates must not do
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=1)
-def _environment():
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(jinja2.ext.Extension):
-        """`{% generation %}...{% endgeneration %}` (used by training templates) renders its body unchanged."""
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    class SafeNamespace(jinja2.utils.Namespace):
-        """namespace() that refuses underscore names, so templates cannot reach interpreter internals."""
-
-        def __init__(*args, **kwargs):  # noqa: N805 - same trick as jinja's Namespace, allows namespace(self=...)
-            self, rest = args[0], args[1:]
-            attrs = dict(*rest, **kwargs)
-            for key in attrs:
-                SafeNamespace._check(key)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, key, value):
-            SafeNamespace._check(key)
-            jinja2.utils.Namespace.__setitem__(self, key, value)
-
-        @staticmethod
-        def _check(key):
-            if isinstance(key, str) and key.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"chat templates cannot set namespace attribute {key!r}")
-
-    class DictFactory:
-        """`dict(...)` for templates, without exposing the dict type itself."""
-
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = DictFactory()
-    env.globals["namespace"] = SafeNamespace
-    return env
-
-
-@lru_cache(maxsize=64)
-def _compile(source: str):
-    """Compile a template once per distinct source string (thread-safe: jinja templates are reentrant)."""
-    return _environment().from_string(source)
-
-
-def _plain(value: Any) -> Any:
-    """Copy `value` into plain JSON-like types; anything else becomes an inert '<TypeName>' placeholder.
-
-    The sandbox then only ever sees str/int/float/bool/None/dict/list/tuple, never objects with methods.
-    """
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, dict):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():
-        return _plain(value.item())   # numpy / torch scalars
-    if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
-
-
-def _normalize_messages(messages: Any) -> list[dict]:
-    if not isinstance(messages, (list, tuple)):
-        raise TokenizerError(f"a conversation must be a list of message dicts, got {type(messages).__name__}")
-    if len(messages) == 0:
-        raise TokenizerError("cannot apply a chat template to an empty conversation")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise TokenizerError(f"message {i} is a {type(m).__name__}, not a dict with 'role' and 'content'")
-        # like transformers: a key set to None counts as absent (templates test `'x' in message`)
-        m = {k: _plain(v) for k, v in m.items() if v is not None}
-        reasoning = next((m[k] for k in _REASONING_KEYS if m.get(k) is not None), None)
-        if reasoning is not None:   # templates read reasoning under different names
-            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-        out.append(m)
-    return out
-
-
-# -- config reading ----------------------------------------------------------------------------------
-
-def _read_json(path: str, required: bool = False) -> Optional[dict]:
-    if not os.path.exists(path):
-        if required:
-            raise TokenizerError(f"{path}: missing")
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read ({e})") from e
-    if not isinstance(data, dict):
-        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _added_token(value: Any, where: str) -> Optional[AddedToken]:
-    """tokenizer_config special token: a string or an AddedToken dict ({"content": ..., "lstrip": ...})."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return AddedToken(value, special=True, normalized=False)
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return AddedToken(value["content"], single_word=bool(value.get("single_word", False)),
-                          lstrip=bool(value.get("lstrip", False)), rstrip=bool(value.get("rstrip", False)),
-                          normalized=bool(value.get("normalized", False)), special=True)
-    raise TokenizerError(f"{where}: expected a string or an AddedToken object with 'content', got {value!r}")
-
-
-def _ids(value: Any, where: str) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, bool) or not isinstance(value, (int, list)):
-        raise TokenizerError(f"{where}: expected an int or a list of ints, got {value!r}")
-    values = value if isinstance(value, list) else [value]
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
-        raise TokenizerError(f"{where}: expected an int or a list of ints, got {value!r}")
-    return values
 
 
 def _clean_up_spaces(text: str) -> str:
@@ -220,7 +51,7 @@ class Tokenizer:
 
         named: dict[str, AddedToken] = {}
         for name in SPECIAL_TOKEN_NAMES:
-            t = _added_token(config.get(name), f"{where} key {name!r}")
+            t = added_token(config.get(name), f"{where} key {name!r}")
             if t is not None:
                 named[name] = t
         extra = config.get("extra_special_tokens", config.get("additional_special_tokens")) or []
@@ -228,7 +59,7 @@ class Tokenizer:
             extra = list(extra.values())
         if not isinstance(extra, list):
             raise TokenizerError(f"{where} key 'additional_special_tokens': expected a list, got {extra!r}")
-        extra_tokens = [_added_token(t, f"{where} key 'additional_special_tokens'") for t in extra]
+        extra_tokens = [added_token(t, f"{where} key 'additional_special_tokens'") for t in extra]
         # transformers registers every named special token as a special added token (adding it if absent)
         to_add = list(named.values()) + [t for t in extra_tokens if t is not None]
         if to_add:
@@ -281,7 +112,7 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad files
             raise TokenizerError(f"{tok_file}: cannot load ({e})") from e
         cfg_file = os.path.join(path, "tokenizer_config.json")
-        config = _read_json(cfg_file) or {}
+        config = read_json(cfg_file) or {}
 
         template: Any = None
         source = cfg_file
@@ -297,16 +128,16 @@ class Tokenizer:
             if os.path.isdir(extra_dir):
                 for name in sorted(os.listdir(extra_dir)):
                     if name.endswith(".jinja"):
-                        template[name[: -len(".jinja")]] = _read_text(os.path.join(extra_dir, name))
+                        template[name[: -len(".jinja")]] = read_text(os.path.join(extra_dir, name))
             if os.path.exists(jinja_file):
-                template["default"] = _read_text(jinja_file)
+                template["default"] = read_text(jinja_file)
                 source = jinja_file
 
         eos: list[int] = []
         for name in ("generation_config.json", "config.json"):
             f = os.path.join(path, name)
-            data = _read_json(f) or {}
-            eos += _ids(data.get("eos_token_id"), f"{f} key 'eos_token_id'")
+            data = read_json(f) or {}
+            eos += ids_of(data.get("eos_token_id"), f"{f} key 'eos_token_id'")
         return cls(tok, config, path=path, chat_template=template, chat_template_source=source,
                    extra_eos_token_ids=eos)
 
@@ -390,16 +221,16 @@ class Tokenizer:
         tools = kwargs.pop("tools", None)
         documents = kwargs.pop("documents", None)
         template = self._select_template(tools)
-        msgs = _normalize_messages(messages)
+        msgs = normalize_messages(messages)
         if tools is not None:
             if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
                 raise TokenizerError("tools must be a list of JSON-schema dicts")
-            tools = _plain(list(tools))
+            tools = plain(list(tools))
         if documents is not None:
             if not isinstance(documents, (list, tuple)) or not all(isinstance(d, dict) for d in documents):
                 raise TokenizerError("documents must be a list of dicts with 'title' and 'text'")
-            documents = _plain(list(documents))
-        variables = {**self._special_map, **_plain(kwargs)}
+            documents = plain(list(documents))
+        variables = {**self._special_map, **plain(kwargs)}
         compiled = self._compiled(template)
         import jinja2
         try:
@@ -440,7 +271,7 @@ class Tokenizer:
     def _compiled(self, template: str):
         import jinja2
         try:
-            return _compile(template)
+            return compile_template(template)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise TokenizerError(f"{self._template_source}: chat template does not parse: "
                                  f"{e.message} (line {e.lineno})") from e
@@ -459,14 +290,6 @@ def load_tokenizer(path: str) -> Tokenizer:
         from batchrun.gguf_tokenizer import tokenizer_from_gguf
         return tokenizer_from_gguf(gguf_file)
     return Tokenizer.from_dir(path)
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read ({e})") from e
 
 
 def _as_ints(ids: Any) -> list[int]:

@@ -1,10 +1,12 @@
-"""Sources (Parquet, JSONL, CSV, OpenAI Batch files, DuckDB SQL) and the Parquet sink, all over fsspec."""
+"""Sources (Parquet, JSONL, CSV, OpenAI Batch files, DuckDB SQL), the output store and the Parquet sink, all
+over fsspec."""
 from batchrun.connectors.base import InputError, Source, Unit, filesystem
 from batchrun.connectors.csv_source import CsvSource
 from batchrun.connectors.lines import ROW_ERROR, JsonlSource
 from batchrun.connectors.openai_batch import ROW_SAMPLING, OpenAIBatchSource
 from batchrun.connectors.parquet import ParquetSource
 from batchrun.connectors.sink import ParquetSink
+from batchrun.connectors.store import OutputStore
 
 FORMATS = {"parquet": ParquetSource, "jsonl": JsonlSource, "csv": CsvSource, "openai_batch": OpenAIBatchSource}
 EXTENSIONS = {".parquet": "parquet", ".parq": "parquet", ".pq": "parquet", ".jsonl": "jsonl",
@@ -22,4 +24,4 @@ def open_source(uri: str, format: str | None = None, storage_options: dict | Non
 
 
 __all__ = ["InputError", "Source", "Unit", "ParquetSource", "JsonlSource", "CsvSource", "OpenAIBatchSource",
-           "ParquetSink", "open_source", "filesystem", "FORMATS", "ROW_ERROR", "ROW_SAMPLING"]
+           "ParquetSink", "OutputStore", "open_source", "filesystem", "FORMATS", "ROW_ERROR", "ROW_SAMPLING"]

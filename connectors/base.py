@@ -1,6 +1,7 @@
 """Source and sink basics shared by every connector: units, errors, fsspec resolution."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -71,13 +72,41 @@ def filesystem(uri: str, storage_options: Optional[dict] = None) -> tuple[fsspec
     except MissingEnvVar as e:
         raise InputError(f"{uri}: {e}") from None
     try:
-        fs, path = fsspec.core.url_to_fs(uri, **options)
+        fs, path = _url_to_fs(proto, uri, options)
     except ImportError as e:
         extra = EXTRAS.get(proto)
         hint = f"; install it with: pip install 'batchrun[{extra}]'" if extra else ""
         raise InputError(redact(f"{uri}: no filesystem for {proto}://{hint} ({e})")) from None
     except (ValueError, TypeError) as e:     # unknown protocol, an option the filesystem does not take
         raise InputError(redact(f"{uri}: cannot open: {e}")) from None
+    return fs, path
+
+
+AZURE = ("az", "abfs", "abfss")
+
+
+def _url_to_fs(proto: str, uri: str, options: dict) -> tuple[fsspec.AbstractFileSystem, str]:
+    """fsspec's url_to_fs, with two fixes for the cloud filesystems:
+
+    gs:// on a custom endpoint (`endpoint_url`, or STORAGE_EMULATOR_HOST): gcsfs's plain filesystem,
+    not its experimental default, which first asks the endpoint over gRPC for each bucket's layout (no
+    emulator or gateway answers; each probe waits 60 s, and a failed one is not remembered).
+    az:// with `client_kwargs`: keyword arguments of the Azure SDK's BlobServiceClient (its retry
+    policy: retry_total, initial_backoff, increment_base, ...), which adlfs does not pass on; the client
+    is rebuilt with them from the connection string or account URL adlfs resolved."""
+    if proto in ("gs", "gcs") and (options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST")):
+        import gcsfs.core
+        fs = gcsfs.core.GCSFileSystem(**options)
+        return fs, fs._strip_protocol(uri)
+    client_kwargs = options.pop("client_kwargs", None) if proto in AZURE else None
+    fs, path = fsspec.core.url_to_fs(uri, **options)
+    if client_kwargs:
+        from azure.storage.blob.aio import BlobServiceClient
+        if getattr(fs, "connection_string", None):
+            fs.service_client = BlobServiceClient.from_connection_string(fs.connection_string, **client_kwargs)
+        else:
+            cred = getattr(fs, "credential", None) or getattr(fs, "account_key", None)
+            fs.service_client = BlobServiceClient(account_url=fs.account_url, credential=cred, **client_kwargs)
     return fs, path
 
 

@@ -21,15 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import uuid
 from typing import Any, Iterable
 
 import pyarrow.parquet as pq
 
-from batchrun.connectors.base import full_path
-from batchrun.connectors.retry import retry_io
-from batchrun.connectors.sink import ParquetSink, fsync_dir
+from batchrun.connectors.store import OutputStore
 
 OPENAI_OUTPUT = "openai_output.jsonl"
 COLUMNS = ["id", "output", "finish_reason", "error", "prompt_tokens", "output_tokens"]
@@ -59,14 +56,11 @@ def lines(rows: Iterable[dict], created: int, model: str, fingerprint: str, wher
         yield json.dumps(line, ensure_ascii=False)
 
 
-def write_openai_output(sink: ParquetSink, parts: list[tuple[str, float]], model: str, fingerprint: str,
+def write_openai_output(sink: OutputStore, parts: list[tuple[str, float]], model: str, fingerprint: str,
                         name: str = OPENAI_OUTPUT) -> str:
     """Write `name` under the sink's root from `parts` [(path of a committed part file, commit time)],
     in that order; returns its URL. Streams part by part through a local temporary file."""
-    final = sink.path(name)
-    tmp_dir = sink.path("_batchrun/tmp") if sink.local else tempfile.gettempdir()
-    os.makedirs(tmp_dir, exist_ok=True)
-    tmp = os.path.join(tmp_dir, f"{name}.{uuid.uuid4().hex}")
+    tmp = os.path.join(sink.staging_dir(), f"{name}.{uuid.uuid4().hex}")
     try:
         with open(tmp, "w", encoding="utf-8") as out:
             for path, committed_at in parts:
@@ -79,15 +73,11 @@ def write_openai_output(sink: ParquetSink, parts: list[tuple[str, float]], model
                             out.write(text + "\n")
             out.flush()
             os.fsync(out.fileno())
-        if sink.local:
-            os.replace(tmp, final)
-            fsync_dir(os.path.dirname(final))
-        else:     # one upload of the final key: readers see the old file or the whole new one
-            retry_io(lambda: sink.fs.put_file(tmp, final), full_path(sink.fs, final), "put")
+        sink.publish_file(name, tmp)      # readers see the old file or the whole new one
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return full_path(sink.fs, final)
+    return sink.url_of(name)
 
 
 __all__ = ["OPENAI_OUTPUT", "lines", "write_openai_output"]

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from batchrun.connectors.base import InputError, Listing, Source, Unit, full_path, list_files
 from batchrun.connectors.retry import StorageError, retry_io
-from batchrun.connectors.sink import is_local
+from batchrun.connectors.store import is_local
 
 
 class ParquetSource(Source):

@@ -99,6 +99,13 @@ def is_transient(e: BaseException) -> bool:
     return False
 
 
+def is_http_error(e: BaseException) -> bool:
+    """A client library's exception for an HTTP answer (Azure's HttpResponseError, gcsfs's HttpError,
+    aiohttp's ClientResponseError: an HTTP status and no OSError base): a refused credential, a missing
+    container. A ValueError (a corrupt file, a bad request the library words itself) is not one."""
+    return not isinstance(e, ValueError) and _code_status(e)[1] is not None
+
+
 def _settings() -> tuple[int, float]:
     return max(1, int(os.environ.get("BATCHRUN_IO_ATTEMPTS", "6"))), \
         float(os.environ.get("BATCHRUN_IO_BACKOFF_S", "0.5"))
@@ -107,8 +114,8 @@ def _settings() -> tuple[int, float]:
 def retry_io(fn: Callable[[], T], url: str, op: str) -> T:
     """fn() with retries. Transient errors: up to BATCHRUN_IO_ATTEMPTS tries, waiting
     uniform(0, backoff * 2**k) between them (full jitter). Errors in PASS_THROUGH reach the caller
-    unchanged; any other OSError (permission, missing bucket, bad request) becomes a StorageError at
-    once; non-I/O exceptions (a corrupt file's ValueError) pass through for the caller to word."""
+    unchanged; any other OSError or HTTP answer (permission, refused credentials, missing bucket) becomes
+    a StorageError at once; non-I/O exceptions (a corrupt file's ValueError) pass through for the caller to word."""
     attempts, base = _settings()
     for k in range(attempts):
         try:
@@ -119,7 +126,7 @@ def retry_io(fn: Callable[[], T], url: str, op: str) -> T:
             raise
         except Exception as e:  # noqa: BLE001 - classified below
             if not is_transient(e):
-                if isinstance(e, OSError):
+                if isinstance(e, OSError) or is_http_error(e):
                     raise StorageError(url, op, e, k + 1, transient=False) from e
                 raise
             if k == attempts - 1:

@@ -48,7 +48,7 @@ run_pytest() {  # name, args...
 }
 
 if [ "$tiny" = 1 ]; then
-    kernels=$(run_pytest kernel_tests tests/test_kernels.py -k "store or rms")
+    kernels=$(run_pytest kernel_tests tests/test_kernels.py -k "store")
     hf=$(run_pytest hf_equality tests/test_engine_hf.py -k "logits and llama")
     bench_args=(--tiny)
 else
@@ -62,7 +62,12 @@ else
     status=1
     bench="{\"ok\": false, \"error\": \"$(tail -n 1 "$work/bench.log" | tr -d '"')\"}"
 fi
-json="{$kernels, $hf, \"throughput\": $bench}"
+tp=""
+if [ "$tiny" != 1 ] && "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)"; then
+    # tensor_parallel_size=2 over two GPUs (NCCL): token-identical to one
+    tp=", $(BATCHRUN_TEST_TP_DEVICE=cuda run_pytest tp2 tests/test_tp_engine.py -k two_ranks)"
+fi
+json="{$kernels, $hf$tp, \"throughput\": $bench}"
 if [ -n "$dest" ]; then
     mkdir -p "$dest"
     echo "$json" >"$dest/gpu_check.json"

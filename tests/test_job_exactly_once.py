@@ -41,6 +41,7 @@ WORKER = r"""
 import json, os, sys, time
 import pyarrow as pa
 from batchrun.connectors import ParquetSink
+from batchrun.job.commit import UnitCommitter
 from batchrun.job.ledger import Ledger
 uri, opts, name, sync = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
 def touch(n):
@@ -52,12 +53,16 @@ def wait(n):
         time.sleep(0.01)
 led = Ledger(ParquetSink(uri, opts or None))
 t = pa.table({"id": [1, 2, 3], "output": [name] * 3})
+def at(point, *steps):       # the committer's crash points, used here as sync points
+    return lambda p: [s() for s in steps] if p == point else None
 if name == "a":      # publishes its part, then waits until b has checked for a marker (none yet)
-    m = led.commit_unit(0, t, {}, {"rows": 3}, after_publish=lambda: (touch("a_published"), wait("b_checked")))
+    m = UnitCommitter(led, crash=at("after_part", lambda: touch("a_published"), lambda: wait("b_checked"))
+                      ).commit(0, t, {}, {"rows": 3})
     touch("a_marked")
 else:                # checks for a marker while a's part is out, then publishes after a's marker is in
     wait("a_published")
-    m = led.commit_unit(0, t, {}, {"rows": 3}, before_publish=lambda: (touch("b_checked"), wait("a_marked")))
+    m = UnitCommitter(led, crash=at("mid_write", lambda: touch("b_checked"), lambda: wait("a_marked"))
+                      ).commit(0, t, {}, {"rows": 3})
 print(json.dumps(m is not None))
 """
 
@@ -246,7 +251,7 @@ def test_a_marker_less_part_is_replaced_only_once_its_writer_is_gone(s3, tmp_pat
     it and writes a marker describing its own bytes. A part left by an earlier run (another lock token)
     is replaced at once."""
     import pyarrow as pa
-    from batchrun.job.commit import writer_identity
+    from batchrun.job.commit import UnitCommitter, writer_identity
     from batchrun.job.lock import pid_start, process_space
     proxy = FaultyProxy(s3.endpoint).start()          # counts the reads of the part's footer
     led = Ledger(ParquetSink(s3.url("takeover/out"), s3.options(proxy.endpoint)))
@@ -259,8 +264,8 @@ def test_a_marker_less_part_is_replaced_only_once_its_writer_is_gone(s3, tmp_pat
         led.sink.publish("part-000000.parquet", led.sink.encode(pa.table({"x": [0]}),
                                                                  {WRITER_KEY: json.dumps(other)}))
         got = {}
-        t = threading.Thread(target=lambda: got.update(m=led.commit_unit(
-            0, pa.table({"x": [1, 2]}), {}, {"rows": 2}, writer=writer_identity("T"))))
+        t = threading.Thread(target=lambda: got.update(m=UnitCommitter(led, writer_identity("T")).commit(
+            0, pa.table({"x": [1, 2]}), {}, {"rows": 2})))
         t.start()
         deadline = time.time() + 120
         while footer_reads() < 6 and t.is_alive() and time.time() < deadline:
@@ -278,5 +283,5 @@ def test_a_marker_less_part_is_replaced_only_once_its_writer_is_gone(s3, tmp_pat
     # an earlier run's marker-less part: replaced without waiting
     led.sink.publish("part-000001.parquet", led.sink.encode(pa.table({"x": [0]}),
                                                              {WRITER_KEY: json.dumps({**other, "token": "old"})}))
-    m = led.commit_unit(1, pa.table({"x": [1, 2]}), {}, {"rows": 2}, writer=writer_identity("T"))
+    m = UnitCommitter(led, writer_identity("T")).commit(1, pa.table({"x": [1, 2]}), {}, {"rows": 2})
     assert m is not None and pq.read_table(led.fs.open(led.sink.path("part-000001.parquet"))).num_rows == 2

@@ -44,6 +44,9 @@ class EngineConfig:
         weights kept quantized); activations stay in `dtype`. CPU only.
     quantization_group_size: int4 group along the input dim: 32, 64 or 128 (it must divide every layer).
     quantize_lm_head: quantize the logits weight too (a tied model keeps its embedding for lookups).
+    tensor_parallel_size: ranks one model is split over (models/tp.py): heads and MLP rows sharded, one
+        process per rank (gloo on CPU: each rank gets threads / size cores; NCCL on CUDA: GPU r), rank 0 in
+        the engine's process. 1: no split.
     kv_cache_dtype: "auto" (the model's dtype), "fp8_e4m3" (alias "fp8") or "fp8_e5m2": K/V stored as float8
         with a per-layer k_scale / v_scale (1.0), converted in the attention op; half of bf16's bytes.
     """
@@ -71,6 +74,7 @@ class EngineConfig:
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -101,6 +105,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be null, int8, int4 or gguf, got {self.quantization!r}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 

@@ -2,13 +2,14 @@
 scheduler's update (tokens appended, stops checked, finished sequences released), until all finish."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Optional
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.kv_cache import KVCacheManager, blocks_needed
-from batchrun.engine.runner import ModelRunner, resolve_device
+from batchrun.engine.runner import ModelRunner, build_tp_worker, resolve_device
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
 from batchrun.engine.speculative import NgramProposer, SeqSpecState, SpecConfig
@@ -36,7 +37,21 @@ class LLMEngine:
                              f"{info.max_model_len} ({config.model}/config.json)")
         self.max_model_len = max_len
         self.model_info = info
-        self.runner = ModelRunner(config, info, max_len)
+        self.tp = None
+        if config.tensor_parallel_size > 1:     # ranks 1.. in worker processes (engine/tp_group.py)
+            from batchrun.engine.tp_group import TPGroup, check_tp_settings
+            check_tp_settings(config, info)
+            self.tp = TPGroup(config.tensor_parallel_size, resolve_device(config.device).type,
+                              functools.partial(build_tp_worker, config, info, max_len))
+        try:
+            self.runner = ModelRunner(config, info, max_len, tp=self.tp,
+                                      tp_group=self.tp.cmd_group if self.tp else None)
+        except BaseException as e:
+            if self.tp is not None:
+                self.tp.close()
+                if isinstance(e, RuntimeError) and not isinstance(e, ModelError):
+                    raise self.tp.failure(e) from e
+            raise
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_host_blocks=self.runner.num_host_blocks)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
@@ -57,6 +72,12 @@ class LLMEngine:
                  ledger["weights_bytes"] / 2**20, ledger["kv_bytes_per_token"], ledger["num_blocks"],
                  ledger["block_size"], ledger["kv_tokens"], ledger["kv_bytes"] / 2**20,
                  ledger["max_concurrency_at_max_model_len"], max_len)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op on one rank). The engine is unusable after."""
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     @property
     def memory_ledger(self) -> dict:

@@ -5,27 +5,27 @@ A batch is flat: T tokens of B sequences, decodes (one query token) first, then 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import math
-import mmap
 import os
 import time
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
-from batchrun.kernels.kv_quant import bytes_view, kv_dtype
-from batchrun.models.attention import AttentionMetadata, TorchAttentionBackend
+from batchrun.engine.block_pool import blocks_needed
 from batchrun.engine.config import EngineConfig, default_threads
-from batchrun.engine.kv_cache import blocks_needed
+from batchrun.engine.kv_memory import check_fits_one_sequence, kv_budget, lazy_zeros
 from batchrun.engine.sampler import sample, verify_sampled
 from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
+from batchrun.engine.step_inputs import StepInputs
+from batchrun.kernels.kv_quant import bytes_view, kv_dtype
+from batchrun.models.attention import TorchAttentionBackend
 from batchrun.models.cpu_fused import fused_ops_supported, use_fused_layer_ops
 from batchrun.models.cpu_linear import PACKED_LINEAR_ENV, pack_linear_weights, packing_supported
 from batchrun.models.llama import LlamaModel
 from batchrun.models.loader import ModelError, ModelInfo, load_weights
 from batchrun.models.quant import apply_quantization, check_quantization, kernels_enabled
+from batchrun.models.tp import apply_tensor_parallel, shard_args, weight_slice
 
 log = logging.getLogger("batchrun")
 
@@ -40,37 +40,18 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank `rank` (CUDA rank r: GPU r)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    return torch.device("cuda", rank) if dev.type == "cuda" and rank else dev
 
 
-def _available_host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor in host memory that costs no RSS until written: an anonymous mmap (the kernel maps a
-    page on first touch, zero-filled). torch.zeros would write, hence page in, every byte up front;
-    torch.empty would leave whatever the allocator reused, and a never-written KV slot must read as a
-    finite number (attention multiplies masked positions by a zero probability)."""
-    count = math.prod(shape)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, max(nbytes, 1))
-    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)   # the tensor keeps buf alive
-
-
-def apply_threads(config: EngineConfig) -> int:
-    """torch.set_num_threads(config.threads or the machine's cores); returns the count."""
-    n = config.threads if config.threads is not None else default_threads()
+def apply_threads(config: EngineConfig, world: int = 1) -> int:
+    """torch.set_num_threads(config.threads or the machine's cores, shared by `world` tensor-parallel
+    ranks); returns the count."""
+    n = config.threads if config.threads is not None else max(1, default_threads() // world)
     if n < 1:
         raise ValueError(f"threads must be >= 1, got {n}")
     if torch.get_num_threads() != n:
@@ -79,17 +60,26 @@ def apply_threads(config: EngineConfig) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, info: ModelInfo, max_model_len: int):
+    def __init__(self, config: EngineConfig, info: ModelInfo, max_model_len: int, rank: int = 0,
+                 tp=None, tp_group=None):
+        """rank/tp_group: this process's tensor-parallel rank and the gloo group of the ranks (None: one
+        rank); tp: on rank 0, the TPGroup whose workers replay each forward and swap."""
         self.config = config
-        self.device = resolve_device(config.device)
-        self.threads = apply_threads(config)
+        self.world = config.tensor_parallel_size
+        self.rank, self.tp, self.tp_group = rank, tp, tp_group
+        self.device = resolve_device(config.device, rank)
+        self.threads = apply_threads(config, self.world)
         self.dtype = info.torch_dtype(config.dtype)
         self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)     # float8 with kv_cache_dtype fp8
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        args = shard_args(info.args, self.world)                        # this rank's heads and MLP rows
         per_seq = blocks_needed(max_model_len, self.block_size)
+        # K and V of every layer, this rank's KV heads
+        self.kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * \
+            torch.empty((), dtype=self.kv_dtype).element_size()
         if config.kv_cache_memory is not None:        # refuse before any weight is read
-            self._check_fits_one_sequence(int(config.kv_cache_memory), info.kv_bytes_per_token(self.kv_dtype), per_seq,
+            check_fits_one_sequence(self, int(config.kv_cache_memory), self.kv_bytes_per_token, per_seq,
                                           max_model_len)
         self.quantization = config.quantization
         try:
@@ -97,9 +87,10 @@ class ModelRunner:
         except ValueError as e:
             raise ModelError(str(e)) from e
         with torch.device("meta"), _default_dtype(self.dtype):
-            model = LlamaModel(info.args, max_model_len, device=self.device)
+            model = LlamaModel(args, max_model_len, device=self.device)
         model.to_empty(device=self.device)
-        load_weights(model, info)
+        load_weights(model, info, (lambda name: weight_slice(name, info.args, rank, self.world))
+                     if self.world > 1 else None)
         self.model = model.eval()
         quant_bytes = 0
         if self.quantization:      # weight-only int8/int4 linear layers (models/quant.py)
@@ -111,13 +102,16 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
         attn = model.layers[0].self_attn
-        self.kv_bytes_per_token = info.kv_bytes_per_token(self.kv_dtype)
         block_bytes = self.kv_bytes_per_token * self.block_size
         # more blocks than max_num_seqs full-length sequences can ever use is wasted memory
         useful = config.max_num_seqs * per_seq
-        budget = self._kv_budget(useful * block_bytes)
-        self._check_fits_one_sequence(budget, self.kv_bytes_per_token, per_seq, max_model_len)
+        budget = kv_budget(self, useful * block_bytes)
+        check_fits_one_sequence(self, budget, self.kv_bytes_per_token, per_seq, max_model_len)
         self.num_blocks = int(min(budget // block_bytes, useful))
+        if self.world > 1:      # every rank holds the same blocks (its heads of each): the smallest count
+            n = torch.tensor([self.num_blocks])
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=tp_group)
+            self.num_blocks = int(n)
         shape = (info.num_layers, 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         if self.device.type == "cpu":
             self.kv_caches = lazy_zeros(shape, self.kv_dtype)   # paged in as blocks are first used
@@ -138,10 +132,10 @@ class ModelRunner:
                 self.host_kv = lazy_zeros(host_shape, self.kv_dtype)
 
         self.forward_s = 0.0          # model forward + logits, summed over steps (host overhead = step - this)
-        self._bufs_cap = (0, 0, 0)
-        self._h2d_done = None
+        self.inputs = StepInputs(config, self.device, max_model_len)
+        # dynamo would trace the quantized weights' objects and the all-reduces
         self.compiled = bool(config.compile and not config.enforce_eager and self.device.type == "cpu"
-                             and not self.quantization)     # dynamo would trace the quantized weights' objects
+                             and not self.quantization and self.world == 1)
         if self.compiled:
             self.model.compile_dense()
         # bf16 projections through oneDNN's packed layout (models/cpu_linear.py); off under torch.compile
@@ -153,8 +147,12 @@ class ModelRunner:
         if self.fused_layer_ops:
             use_fused_layer_ops(model)
 
+        if self.world > 1:    # o_proj and down_proj sum their partial products over the ranks
+            apply_tensor_parallel(model, tp_group if self.device.type == "cpu" else None)
+
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton" \
+                and self.world == 1:
             from batchrun.engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, config.max_num_seqs)
 
@@ -166,76 +164,6 @@ class ModelRunner:
             from batchrun.models.attention import TritonAttentionBackend
             return TritonAttentionBackend()
         return TorchAttentionBackend()
-
-    def _kv_budget(self, useful_bytes: int) -> int:
-        if self.config.kv_cache_memory is not None:
-            return int(self.config.kv_cache_memory)
-        if self.device.type == "cuda":
-            return self._cuda_kv_budget()
-        # CPU: what the job can use, at most half the RAM available now (the weights are loaded already).
-        # Untouched pages cost nothing, so a large cap only bounds how far the working set may grow.
-        return int(min(useful_bytes, 0.5 * _available_host_memory()))
-
-    def _check_fits_one_sequence(self, budget: int, kv_bytes_per_token: int, per_seq: int, max_model_len: int) -> None:
-        """A cache that cannot hold one sequence of max_model_len is a bad setting, refused at start."""
-        block_bytes = kv_bytes_per_token * self.block_size
-        blocks = budget // block_bytes
-        if blocks < per_seq:
-            knob, source = self._budget_knob()
-            raise ModelError(
-                f"{knob}: the KV cache holds {blocks} blocks of {self.block_size} tokens ({budget} bytes, "
-                f"{source}), fewer than one sequence of max_model_len={max_model_len} needs ({per_seq} blocks, "
-                f"{per_seq * block_bytes} bytes); raise {knob} or lower max_model_len")
-
-    def _budget_knob(self) -> tuple[str, str]:
-        """(the knob that sets the KV budget, where this budget came from)."""
-        if self.config.kv_cache_memory is not None:
-            return "kv_cache_memory", f"kv_cache_memory={self.config.kv_cache_memory}"
-        if self.device.type == "cuda":
-            return "gpu_memory_utilization", f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
-        return "kv_cache_memory", "default: half the available RAM"
-
-    @torch.inference_mode()
-    def _cuda_kv_budget(self) -> int:
-        """gpu_memory_utilization x total, less what the weights and the peak activations of the largest
-        step (a profiling forward of max_num_batched_tokens tokens) use, less other processes' memory."""
-        cfg = self.config
-        free0, total = torch.cuda.mem_get_info(self.device)
-        others = total - free0 - torch.cuda.memory_reserved(self.device)
-        T = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
-        seqs = [min(self.max_model_len, T - i) for i in range(0, T, self.max_model_len)]
-        attn = self.model.layers[0].self_attn
-        nblk = sum(blocks_needed(n, self.block_size) for n in seqs)
-        kv = torch.zeros((len(self.model.layers), 2, nblk, self.block_size, attn.num_kv_heads, attn.head_dim),
-                         dtype=self.kv_dtype, device=self.device)
-        tables, slots, qsl, start = [], [], [0], 0
-        width = max(blocks_needed(n, self.block_size) for n in seqs)
-        for n in seqs:
-            b = blocks_needed(n, self.block_size)
-            tables.append(list(range(start, start + b)) + [0] * (width - b))
-            slots.extend(range(start * self.block_size, start * self.block_size + n))
-            qsl.append(qsl[-1] + n)
-            start += b
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev), query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seqs, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev), num_decodes=0,
-            max_query_len=max(seqs), max_seq_len=max(seqs), query_start_loc_host=qsl, seq_lens_host=seqs)
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        ids = torch.zeros(T, dtype=torch.long, device=dev)
-        pos = torch.cat([torch.arange(n, device=dev) for n in seqs])
-        h = self.model(ids, pos, kv, meta, self.backend)
-        self.model.compute_logits(h[:min(T, cfg.max_num_seqs)])
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - kv.numel() * kv.element_size()
-        del kv, h
-        torch.cuda.empty_cache()
-        budget = int(total * cfg.gpu_memory_utilization) - peak - others
-        log.info("profiled step of %d tokens: peak %.2f GiB with weights; KV budget %.2f GiB",
-                 T, peak / 2**30, budget / 2**30)
-        return max(0, budget)
 
     @property
     def memory_ledger(self) -> dict:
@@ -252,6 +180,7 @@ class ModelRunner:
             "host_swap_blocks": self.num_host_blocks,
             "host_swap_bytes": self.num_host_blocks * self.block_size * self.kv_bytes_per_token,
             "threads": self.threads,
+            "tensor_parallel_size": self.world,     # weights and KV above are one rank's
             "compiled": self.compiled,
             "packed_linear": self.packed_linear, "packed_extra_bytes": self.packed_extra_bytes,
             "fused_layer_ops": self.fused_layer_ops,
@@ -259,90 +188,19 @@ class ModelRunner:
             "quant_kernels": bool(self.quantization) and kernels_enabled(),
         }
 
-    def _buffers(self, T: int, B: int, W: int) -> None:
-        """Host staging buffers reused across steps (pinned on CUDA), grown when a step needs more."""
-        t0, b0, w0 = self._bufs_cap
-        if T <= t0 and B <= b0 and B * W <= w0:
-            return
-        T, B = max(T, t0, self.config.max_num_batched_tokens), max(B, b0, self.config.max_num_seqs)
-        W = max(B * W, w0, B * blocks_needed(min(self.max_model_len, 1024), self.block_size))
-        pin = self.device.type == "cuda"
-
-        def buf(n, dtype):
-            return torch.empty(n, dtype=dtype, pin_memory=pin).numpy()
-        self._ids, self._pos, self._slots = buf(T, torch.int64), buf(T, torch.int64), buf(T, torch.int64)
-        self._qsl, self._lens = buf(B + 1, torch.int32), buf(B, torch.int32)
-        self._tables = buf(W, torch.int32)
-        self._arange = np.arange(max(T, B, W), dtype=np.int64)
-        self._bufs_cap = (T, B, W)
-
     def _prepare(self, entries: list[ScheduledSeq]):
-        """Flat inputs and attention metadata of one step: one Python pass over the entries to read them,
-        then vectorised numpy into reused buffers (zero-copy torch views on CPU)."""
-        bs = self.block_size
-        B = len(entries)
-        starts, ns, tables_in, ids_in = [], [], [], []
-        plain = True                                   # every entry one token, no draft: a decode step
-        for e in entries:
-            seq, n = e.seq, e.num_new_tokens
-            start = seq.num_computed_tokens
-            starts.append(start)
-            ns.append(n)
-            tables_in.append(seq.block_table)
-            if e.draft:
-                ids_in.append(seq.token_ids[start:start + n - len(e.draft)])
-                ids_in.append(e.draft)
-                plain = False
-            else:
-                ids_in.append(seq.token_ids[start:start + n])
-                plain = plain and n == 1
-        start_a = np.array(starts, dtype=np.int64)
-        n_a = np.array(ns, dtype=np.int64)
-        T = B if plain else int(n_a.sum())
-        bt_lens = np.fromiter(map(len, tables_in), dtype=np.int64, count=B)
-        W = int(bt_lens.max())
-        if self.device.type == "cuda" and self._h2d_done is not None:
-            self._h2d_done.synchronize()               # last step's copies out of the staging buffers are done
-        self._buffers(T, B, W)
-        ar = self._arange
-        ids = self._ids[:T]
-        ids[:] = np.fromiter(itertools.chain.from_iterable(ids_in), dtype=np.int64, count=T)
-        lens = self._lens[:B]
-        np.add(start_a, n_a, out=lens, casting="unsafe")
-        qsl = self._qsl[:B + 1]
-        qsl[0] = 0
-        qsl[1:] = np.cumsum(n_a)
-        tables = self._tables[:B * W].reshape(B, W)
-        tables.fill(0)
-        tables[ar[:W][None, :] < bt_lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables_in), dtype=np.int32, count=int(bt_lens.sum()))
-        pos = self._pos[:T]
-        if plain:
-            pos[:] = start_a
-            rows = ar[:B]
-        else:       # token t of entry i sits at position start_i + (t - qsl_i)
-            rows = np.repeat(ar[:B], n_a)
-            np.add(np.repeat(start_a - qsl[:-1], n_a), ar[:T], out=pos)
-        slots = self._slots[:T]
-        np.add(tables[rows, pos // bs].astype(np.int64) * bs, pos % bs, out=slots)
-        qsl_host, lens_host = qsl.tolist(), lens.tolist()
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots), query_start_loc=self._to_device(qsl),
-            seq_lens=self._to_device(lens), block_tables=self._to_device(tables),
-            num_decodes=B if plain else int((n_a == 1).sum()),
-            max_query_len=1 if plain else int(n_a.max()),
-            max_seq_len=max(lens_host), query_start_loc_host=qsl_host, seq_lens_host=lens_host)
-        input_ids, pos_t = self._to_device(ids), self._to_device(pos)
-        if self.device.type == "cuda":
-            self._h2d_done = torch.cuda.Event()
-            self._h2d_done.record()
-        return input_ids, pos_t, meta
+        return self.inputs.prepare(entries)
 
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        if self.device.type == "cuda":   # from the pinned staging buffer: the copy overlaps; no sync here
-            return t.to(self.device, non_blocking=True)
-        return t
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The model over one step's flat inputs -> hidden [T, H]; on rank 0 of a tensor-parallel engine
+        the workers run the same step (their all-reduces meet this rank's)."""
+        if self.tp is None:
+            return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        self.tp.send("forward", input_ids, positions, meta)
+        try:
+            return self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        except RuntimeError as e:       # a worker gone mid-collective
+            raise self.tp.failure(e) from e
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Batched block copies, one gather/scatter per direction.
@@ -370,6 +228,8 @@ class ModelRunner:
         the model's own next token (1 to d + 1 tokens).
         """
         if out.swap_out or out.swap_in:
+            if self.tp is not None:
+                self.tp.send("swap", out.swap_out, out.swap_in)
             self.swap(out.swap_out, out.swap_in)
         if not out.scheduled:
             return []
@@ -380,7 +240,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            hidden = self.forward(input_ids, positions, meta)
         self.forward_s += time.perf_counter() - t0
         if plain_step and all(e.samples and e.seq.params.greedy for e in entries):
             # a pure greedy decode step: every row samples, no gather, argmax in the model's dtype (exact:
@@ -433,3 +293,9 @@ class ModelRunner:
 
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
+
+
+def build_tp_worker(config: EngineConfig, info: ModelInfo, max_model_len: int, rank: int, world: int,
+                    group) -> ModelRunner:
+    """A tensor-parallel worker's runner (engine/tp_group.py calls this in the worker process)."""
+    return ModelRunner(config, info, max_model_len, rank=rank, tp_group=group)

@@ -23,6 +23,10 @@ proves its writer gone (may_replace, below): every part carries its writer in it
   * another process of this run elsewhere (a Ray replica on another node): the driver hands a unit to
     a second replica only after the first one died -> replace.
 
+UnitCommitter does all of this for one run or replica; its crash points (mid_write: the claim's bytes
+complete, not yet visible; after_part: published, no marker; after_done: the marker written) go to one
+callable, the run's CrashHook (job/hooks.py), which tests replace to freeze or kill at those points.
+
 Stores without conditional writes (fsspec's generic mode="create" is a check, then a write) narrow the
 race to the moment between that check and the write, but do not close it.
 """
@@ -36,8 +40,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import pyarrow as pa
 
-from batchrun.connectors.sink import Committed, partition_dir, part_name
-from batchrun.job.lock import LOCK, pid_alive, pid_start, process_space
+from batchrun.connectors.sink import encode_unit
+from batchrun.connectors.store import Committed
+from batchrun.job.lock import LOCK
+from batchrun.job.process import pid_alive, pid_start, process_space
 
 WRITER_KEY = "batchrun.writer"
 
@@ -82,39 +88,54 @@ def _gone(w: dict[str, Any], me: dict[str, Any]) -> Optional[bool]:
     return True                      # a replica elsewhere: its unit is reassigned only after it died
 
 
-def commit_unit(ledger, unit: int, table: pa.Table, metadata: dict[str, Any], marker: dict,
-                partition_by: Sequence[str] = (), writer: Optional[dict] = None,
-                fence: Callable[[], None] = lambda: None, wait_s: float = 60.0,
-                before_publish: Optional[Callable[[], None]] = None,
-                after_publish: Optional[Callable[[], None]] = None,
-                log: Callable[[str], None] = lambda m: None) -> Optional[dict]:
-    """Publish a unit's part file(s) and then its done marker. Returns the marker, or None when another
-    worker committed the unit (nothing here may count it). Raises LockLost (see the module docstring).
-    The first file (in row order) is the claim: created create-only; the unit's other partition files
-    are written only by the claim's owner."""
-    sink = ledger.sink
-    if ledger.is_done(unit):
-        return None
-    writer = writer or writer_identity(None)
-    meta = {**metadata, WRITER_KEY: json.dumps(writer, sort_keys=True)}
-    files = _encode(sink, unit, table, meta, list(partition_by))
-    fence()
-    claim, data = files[0]
-    if not _fenced(fence, lambda: sink.put_new(claim, data, before_publish)):
-        if not _take_over(ledger, unit, claim, writer, fence, wait_s, log):
+def _no_crash(point: str) -> None:
+    pass
+
+
+class UnitCommitter:
+    """Commits units through a ledger: part file(s) create-only, then the create-only done marker.
+
+    writer: this process's identity (writer_identity), recorded in every part file; fence: raises
+    LockLost unless the job lock is still this run's (lock_fence); crash: called with each crash point's
+    name; wait_s: how long a live writer's marker-less part is waited for."""
+
+    def __init__(self, ledger, writer: Optional[dict] = None, fence: Callable[[], None] = lambda: None,
+                 crash: Callable[[str], None] = _no_crash, log: Callable[[str], None] = lambda m: None,
+                 wait_s: float = 60.0):
+        self.ledger, self.sink = ledger, ledger.sink
+        self.writer = writer or writer_identity(None)
+        self.fence, self.crash, self.log, self.wait_s = fence, crash, log, wait_s
+
+    def commit(self, unit: int, table: pa.Table, metadata: dict[str, Any], marker: dict,
+               partition_by: Sequence[str] = ()) -> Optional[dict]:
+        """Publish unit `unit`'s part file(s), then its done marker (`marker` plus the files written).
+        Returns the marker, or None when another worker committed the unit (nothing here may count it).
+        Raises LockLost (see the module docstring). The first file (in row order) is the claim: created
+        create-only; the unit's other partition files are written only by the claim's owner."""
+        ledger, sink, fence = self.ledger, self.sink, self.fence
+        if ledger.is_done(unit):
             return None
+        meta = {**metadata, WRITER_KEY: json.dumps(self.writer, sort_keys=True)}
+        files = encode_unit(unit, table, meta, list(partition_by))
         fence()
-        sink.publish(claim, data)
-    done = [Committed(sink.path(claim), len(data), _sha(data), claim)]
-    done += [sink.publish(name, data) for name, data in files[1:]]
-    if after_publish:
-        after_publish()
-    m = {**marker, "unit": unit, "bytes": sum(c.bytes for c in done),
-         "files": [{"name": c.name, "bytes": c.bytes, "sha256": c.sha256} for c in done]}
-    if not partition_by:
-        m.update(file=done[0].name, sha256=done[0].sha256)
-    fence()
-    return m if _fenced(fence, lambda: ledger.mark_done(unit, m)) else None
+        claim, data = files[0]
+        if not _fenced(fence, lambda: sink.put_new(claim, data, lambda: self.crash("mid_write"))):
+            if not _take_over(ledger, unit, claim, self.writer, fence, self.wait_s, self.log):
+                return None
+            fence()
+            sink.publish(claim, data)
+        done = [Committed(sink.path(claim), len(data), _sha(data), claim)]
+        done += [sink.publish(name, data) for name, data in files[1:]]
+        self.crash("after_part")
+        m = {**marker, "unit": unit, "bytes": sum(c.bytes for c in done),
+             "files": [{"name": c.name, "bytes": c.bytes, "sha256": c.sha256} for c in done]}
+        if not partition_by:
+            m.update(file=done[0].name, sha256=done[0].sha256)
+        fence()
+        if not _fenced(fence, lambda: ledger.mark_done(unit, m)):
+            return None
+        self.crash("after_done")
+        return m
 
 
 def _fenced(fence, create):
@@ -154,23 +175,9 @@ def _writer_of(sink, name: str) -> dict:
         return {}
 
 
-def _encode(sink, unit: int, table: pa.Table, meta: dict, partition_by: list[str]) -> list[tuple[str, bytes]]:
-    """[(name, bytes)] of the unit's files, the claim first."""
-    if not partition_by:
-        return [(part_name(unit), sink.encode(table, meta))]
-    keys = list(zip(*(table.column(c).to_pylist() for c in partition_by)))
-    groups: dict[tuple, list[int]] = {}
-    for i, k in enumerate(keys):
-        groups.setdefault(k, []).append(i)
-    rest = table.drop_columns(partition_by)
-    return [(f"{partition_dir(partition_by, k)}/{part_name(unit)}",
-             sink.encode(rest.take(pa.array(rows, pa.int64())), meta))
-            for k, rows in sorted(groups.items(), key=lambda kv: kv[1][0])]
-
-
 def _sha(data: bytes) -> str:
     import hashlib
     return hashlib.sha256(data).hexdigest()
 
 
-__all__ = ["commit_unit", "LockLost", "lock_fence", "writer_identity", "WRITER_KEY", "LOCK"]
+__all__ = ["UnitCommitter", "LockLost", "lock_fence", "writer_identity", "WRITER_KEY", "LOCK"]

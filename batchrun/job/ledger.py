@@ -12,17 +12,16 @@ A unit is done iff its marker exists and each file the marker lists has the reco
 no marker lists are removed on resume and rewritten. Part files and markers are both written
 create-only (local: link(); S3: If-None-Match: *), so concurrent workers can commit different units,
 two workers can never both commit the same one (the loser learns it lost and does not count the unit),
-and a marker always describes the part its own writer created (job/commit.py).
-Every store call is retried on transient failures; listings bypass the fsspec listings cache.
+and a marker always describes the part its own writer created. The ledger only records: parts are
+written by job/commit.py's UnitCommitter, bytes move through the output store (connectors/store.py),
+whose calls are retried on transient failures and whose listings bypass the fsspec listings cache.
 """
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
-from batchrun.connectors.base import full_path
-from batchrun.connectors.retry import retry_io
 from batchrun.connectors.sink import ParquetSink, part_name
 
 MANIFEST = "_batchrun/manifest.json"
@@ -72,20 +71,15 @@ class Ledger:
         self.fs = sink.fs
 
     # -- small files ---------------------------------------------------------------------------
-    def _path(self, name: str) -> str:
-        return self.sink.path(name)
-
     def write_json(self, name: str, obj: Any) -> None:
         """Atomic replace: a reader sees the old or the new content, never a torn file."""
         data = (json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode()
         self.sink.publish(name, data)
 
-    def _url(self, name: str) -> str:
-        return full_path(self.fs, self._path(name))
-
     def read_json(self, name: str) -> Optional[dict]:
+        """The JSON object stored as `name`, None if absent; ValueError naming it if corrupt."""
         try:
-            data = retry_io(lambda: self.fs.cat_file(self._path(name)), self._url(name), "get")
+            data = self.sink.read(name)
         except FileNotFoundError:
             return None
         return self._parse(name, data)
@@ -97,18 +91,12 @@ class Ledger:
             raise ValueError(f"{self.sink.url}/{name}: corrupt ({e})") from e
 
     def exists(self, name: str) -> bool:
-        path = self._path(name)
-        try:
-            self.fs.invalidate_cache(path)      # another process may have written it since we listed
-        except Exception:   # noqa: BLE001
-            pass
-        return retry_io(lambda: self.fs.exists(path), self._url(name), "exists")
+        """Whether `name` exists now (written by any process)."""
+        return self.sink.exists(name)
 
     def remove(self, name: str) -> None:
-        try:
-            retry_io(lambda: self.fs.rm(self._path(name)), self._url(name), "delete")
-        except FileNotFoundError:
-            pass
+        """Delete `name`; absent is fine."""
+        self.sink.remove([name])
 
     # -- manifest ----------------------------------------------------------------------------
     def read_manifest(self) -> Optional[dict]:
@@ -160,22 +148,15 @@ class Ledger:
     def done_markers(self, verify: bool = False) -> dict[int, dict]:
         """{unit: marker} of committed units. verify: also require every file the marker lists, of the
         recorded size (a marker whose part vanished or changed is dropped so the unit is redone)."""
-        d = self._path(DONE_DIR)
         try:
-            self.fs.invalidate_cache(d)
-        except Exception:   # noqa: BLE001
-            pass
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in retry_io(lambda: self.fs.ls(d, detail=False),
-                                                             self._url(DONE_DIR), "list")]
+            names = self.sink.list(DONE_DIR)
         except FileNotFoundError:
             return {}
         names = [n for n in names if n.endswith(".json") and n[:-5].isdigit()]
-        paths = [f"{d}/{n}" for n in names]
-        blobs = retry_io(lambda: self._cat_all(paths), self._url(DONE_DIR), "get") if paths else {}
+        blobs = self.sink.read_many([f"{DONE_DIR}/{n}" for n in names], DONE_DIR)
         out: dict[int, dict] = {}
-        for n, p in zip(names, paths):
-            data = blobs.get(self.fs._strip_protocol(p))
+        for n in names:
+            data = blobs.get(f"{DONE_DIR}/{n}")
             if data is not None:
                 out[int(n[:-5])] = self._parse(f"{DONE_DIR}/{n}", data)
         if verify:
@@ -186,20 +167,6 @@ class Ledger:
                 del out[k]
         return out
 
-    def _cat_all(self, paths: list[str]) -> dict[str, bytes]:
-        """{path: bytes} in one batched (on object stores, concurrent) fetch. A marker deleted since the
-        listing is left out; any other failure raises, so a marker is never silently missed (that
-        would make its unit's parts look like orphans)."""
-        got = self.fs.cat(paths, on_error="return")
-        out = {}
-        for p, v in got.items():
-            if isinstance(v, FileNotFoundError):
-                continue
-            if isinstance(v, BaseException):
-                raise v
-            out[self.fs._strip_protocol(p)] = v
-        return out
-
     def mark_done(self, unit: int, marker: dict) -> bool:
         """Record unit `unit` as committed, create-only. Call only after its part files are published.
         False: another worker's marker for this unit was there first; the unit is its commit, not ours."""
@@ -207,24 +174,12 @@ class Ledger:
         return self.sink.put_new(f"{DONE_DIR}/{unit}.json", data)
 
     def is_done(self, unit: int) -> bool:
+        """Whether unit `unit`'s done marker exists now (written by any worker)."""
         return self.exists(f"{DONE_DIR}/{unit}.json")
-
-    def commit_unit(self, unit: int, table, metadata: dict[str, Any], marker: dict,
-                    partition_by: Sequence[str] = (), before_publish: Optional[Callable[[], None]] = None,
-                    after_publish: Optional[Callable[[], None]] = None, **kw) -> Optional[dict]:
-        """Publish a unit's results (create-only), then its done marker. Returns the marker, or None when
-        another worker committed the unit (then nothing here may count it). See batchrun/job/commit.py
-        (writer, fence: the job lock's proof; LockLost when this run lost the lock).
-
-        marker: the unit's facts (rows, tokens, input slice); the files written are added to it.
-        """
-        from batchrun.job.commit import commit_unit
-        return commit_unit(self, unit, table, metadata, marker, partition_by, before_publish=before_publish,
-                           after_publish=after_publish, **kw)
 
     def committed_files(self) -> list[str]:
         """Paths of the part files of committed units, in unit order (what `query` reads)."""
-        return [self._path(n) for k, m in sorted(self.done_markers().items()) for n in marker_files(k, m)]
+        return [self.sink.path(n) for k, m in sorted(self.done_markers().items()) for n in marker_files(k, m)]
 
     # -- progress / end -----------------------------------------------------------------------
     def write_progress(self, progress: dict) -> None:

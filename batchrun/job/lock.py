@@ -8,10 +8,10 @@ lock before it touches the ledger and refuses (LockHeld, exit 73) while another 
 Record: token (random), job, pid, host, process_space, pid_start, started_at, heartbeat_at,
 stale_after_s.
 
-Acquire is create-only (ParquetSink.put_new, as for done markers), so of any number of contenders
+Acquire is create-only (OutputStore.put_new, as for done markers), so of any number of contenders
 exactly one creates the file. Local filesystems: link() of a fully written temp file (EEXIST for the
 losers; a reader never sees a torn lock). Object stores: a create-only PUT (S3: If-None-Match: *,
-answered 412 for the losers).
+answered 412 for the losers). Every file operation goes through the store (connectors/store.py).
 
 A lock is stale when its holder is provably gone:
   * same machine and PID namespace (hostname, boot id and pid namespace all equal): its pid is not
@@ -25,8 +25,8 @@ long engine step never ages it.
 Taking over a stale lock with token T is race-safe: a contender first creates, create-only,
 `_batchrun/lock.takeover-T.<n>`; of all contenders that saw T exactly one succeeds (n > 0 only when an
 earlier taker died mid-takeover: its claim goes stale after stale_after_s). The winner removes the
-lock only if it still carries T (local: read, and only a T lock renamed aside and checked again, put
-back if it changed: a lock that is not T never goes missing, so a late contender that read T before the
+lock only if it still carries T (OutputStore.remove_if; local: read, and only a T lock renamed aside
+and checked again, put back if it changed: a lock that is not T never goes missing, so a late contender that read T before the
 winner replaced it, and claims T after the winner's claim is gone, removes nothing), then acquires
 create-only like anyone else. Release removes the lock only if it still carries our token.
 Remaining window, object stores only: between reading T and deleting it (milliseconds), and only if
@@ -43,8 +43,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
-from batchrun.connectors.base import full_path
-from batchrun.connectors.retry import retry_io
+from batchrun.job.process import pid_alive, pid_start, process_space
 
 LOCK = "_batchrun/lock.json"
 TAKEOVER_PREFIX = "_batchrun/lock.takeover-"
@@ -61,41 +60,13 @@ class LockHeld(Exception):
         self.holder = holder or {}
 
 
-def _read_first_line(path: str) -> Optional[str]:
+def _record(data: bytes) -> Optional[dict]:
+    """A lock record's JSON object; None if the bytes are not one."""
     try:
-        with open(path) as f:
-            return f.readline().strip()
-    except OSError:
+        obj = json.loads(data)
+    except ValueError:
         return None
-
-
-def process_space() -> str:
-    """Where a pid names the same process: hostname, boot id and pid namespace."""
-    parts = [socket.gethostname(), _read_first_line("/proc/sys/kernel/random/boot_id") or ""]
-    try:
-        parts.append(os.readlink("/proc/self/ns/pid"))
-    except OSError:
-        parts.append("")
-    return "|".join(parts)
-
-
-def pid_start(pid: int) -> Optional[str]:
-    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
-    line = _read_first_line(f"/proc/{pid}/stat")
-    if not line or ")" not in line:
-        return None
-    fields = line.rsplit(")", 1)[1].split()
-    return fields[19] if len(fields) > 19 else None     # field 22 of proc(5), counted after "(comm)"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:      # alive, another user's
-        return True
-    return True
+    return obj if isinstance(obj, dict) else None
 
 
 def _stale_after() -> float:
@@ -111,15 +82,12 @@ def _iso(t: Any) -> str:
 
 
 class JobLock:
-    """The run lock of one output (a ParquetSink's filesystem and root)."""
+    """The run lock of one output (an OutputStore: its filesystem and root)."""
 
-    def __init__(self, sink, job: str = "", stale_after_s: Optional[float] = None,
+    def __init__(self, store, job: str = "", stale_after_s: Optional[float] = None,
                  log: Optional[Callable[[str], None]] = None):
-        self.sink = sink
-        self.fs = sink.fs
-        self.local = sink.local
-        self.path = sink.path(LOCK)
-        self.url = f"{sink.url.rstrip('/')}/{LOCK}"
+        self.store = store
+        self.url = f"{store.url.rstrip('/')}/{LOCK}"
         self.job = job
         self.stale_after_s = _stale_after() if stale_after_s is None else float(stale_after_s)
         self.log = log or (lambda msg: None)
@@ -130,87 +98,29 @@ class JobLock:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
-    # -- raw file operations -------------------------------------------------------------------
+    # -- records in the store ----------------------------------------------------------------------
     def _create(self, name: str, obj: dict) -> bool:
         """Create `name` (relative to the output) holding `obj` unless it exists; True if we created it."""
         data = json.dumps(obj, sort_keys=True).encode()
         for _ in range(3):
             try:
-                return self.sink.put_new(name, data)
+                return self.store.put_new(name, data)
             except FileNotFoundError:    # the holder's ledger.open emptied _batchrun/tmp under our temp file
                 continue
         return False
 
-    def _read(self, path: str) -> Optional[dict]:
-        """The record at `path`, None if absent; an unreadable one reads as {} with its mtime as heartbeat."""
+    def _read(self, name: str) -> Optional[dict]:
+        """The record `name`, None if absent; an unreadable one reads as {} with its mtime as heartbeat."""
         try:
-            if self.local:
-                with open(path, "rb") as f:
-                    data = f.read()
-            else:
-                data = retry_io(lambda: self.fs.cat_file(path), full_path(self.fs, path), "get")
+            data = self.store.read(name)
         except FileNotFoundError:
             return None
-        try:
-            obj = json.loads(data)
-            if isinstance(obj, dict):
-                return obj
-        except ValueError:
-            pass
-        return {"unreadable": True, "heartbeat_at": self._mtime(path)}
+        obj = _record(data)
+        return obj if obj is not None else {"unreadable": True, "heartbeat_at": self.store.modified(name)}
 
-    def _mtime(self, path: str) -> float:
-        try:
-            info = self.fs.info(path)
-        except FileNotFoundError:
-            return 0.0
-        m = info.get("mtime") or info.get("LastModified") or info.get("created") or 0
-        return m.timestamp() if isinstance(m, datetime) else float(m)
-
-    def _replace(self, path: str, obj: dict) -> None:
-        data = json.dumps(obj, sort_keys=True).encode()
-        if self.local:
-            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        else:
-            retry_io(lambda: self.fs.pipe_file(path, data), full_path(self.fs, path), "put")
-
-    def _remove_if(self, path: str, token: Optional[str]) -> bool:
-        """Remove `path` if its record carries `token`; True if removed. Local: read first, and only a
-        match is renamed aside (a lock never goes missing for a moment because someone else checked it:
-        a create-only acquire in that moment would win beside its holder); the renamed file is checked
-        again, so what is checked is exactly what is removed (put back when it changed in between)."""
-        if self.local:
-            rec = self._read(path)
-            if rec is None or rec.get("token") != token:
-                return False
-            aside = f"{path}.{uuid.uuid4().hex}.del"
-            try:
-                os.rename(path, aside)
-            except FileNotFoundError:
-                return False
-            try:
-                with open(aside, "rb") as f:
-                    got = json.loads(f.read()).get("token")
-            except ValueError:
-                got = None
-            if got != token:
-                try:
-                    os.link(aside, path)     # not ours: put it back (unless someone created a new one)
-                except FileExistsError:
-                    pass
-            os.unlink(aside)
-            return got == token
-        rec = self._read(path)
-        if rec is None or rec.get("token") != token:
-            return False
-        try:
-            retry_io(lambda: self.fs.rm(path), full_path(self.fs, path), "delete")
-        except FileNotFoundError:
-            return False
-        return True
+    def _remove_if(self, name: str, token: Optional[str]) -> bool:
+        """Remove `name` if its record carries `token` (read, checked, removed: OutputStore.remove_if)."""
+        return self.store.remove_if(name, lambda data: (_record(data) or {}).get("token") == token)
 
     # -- staleness -------------------------------------------------------------------------------
     def stale_reason(self, rec: dict, now: Optional[float] = None) -> Optional[str]:
@@ -258,7 +168,7 @@ class JobLock:
             if self._create(LOCK, rec):
                 self.token, self.record = token, rec
                 return rec
-            held = self._read(self.path)
+            held = self._read(LOCK)
             if held is None:
                 continue                       # released in between: try again
             why = self.stale_reason(held)
@@ -273,7 +183,7 @@ class JobLock:
                                f"{self.describe(held)} right now; re-submit later.", held)
             self._claims.append(claim)
             self.log(f"batchrun: taking over the stale lock of {self.describe(held)}: {why}")
-            self._remove_if(self.path, held.get("token"))
+            self._remove_if(LOCK, held.get("token"))
         raise LockHeld(f"{self.url}: could not take the lock (it keeps changing hands); re-submit later.")
 
     def _claim(self, held: dict) -> Optional[str]:
@@ -286,30 +196,30 @@ class JobLock:
             name = f"{TAKEOVER_PREFIX}{token}.{n}"
             if self._create(name, mine):
                 return name
-            other = self._read(self.sink.path(name))
+            other = self._read(name)
             if other is not None and self.stale_reason(other) is None:
                 return None                  # a live contender is taking it over
         return None
 
     def _rm(self, name: str) -> None:
         try:
-            self.sink.remove([name])
+            self.store.remove([name])
         except Exception as e:   # noqa: BLE001 - a leftover claim is harmless: removals check the token
-            self.log(f"batchrun: could not remove {self.sink.path(name)}: {e}")
+            self.log(f"batchrun: could not remove {self.store.url_of(name)}: {e}")
 
     def heartbeat(self) -> bool:
         """Refresh heartbeat_at; False if the lock is no longer ours (taken over as stale, or removed)."""
         with self._io:
             if self.token is None:
                 return False
-            held = self._read(self.path)
+            held = self._read(LOCK)
             if held is None:             # a contender may have it renamed aside for a moment: look again
                 time.sleep(0.2)
-                held = self._read(self.path)
+                held = self._read(LOCK)
             if held is None or held.get("token") != self.token:
                 return False
             self.record = {**self.record, "heartbeat_at": time.time()}
-            self._replace(self.path, self.record)
+            self.store.replace(LOCK, json.dumps(self.record, sort_keys=True).encode())
             return True
 
     def start_heartbeat(self, interval_s: float, on_lost: Callable[[str], None]) -> None:
@@ -337,7 +247,7 @@ class JobLock:
         try:
             token, self.token = self.token, None
             if token is not None:
-                self._remove_if(self.path, token)
+                self._remove_if(LOCK, token)
         except Exception as e:   # noqa: BLE001
             self.log(f"batchrun: could not remove {self.url}: {e}")
         finally:
@@ -345,4 +255,4 @@ class JobLock:
 
     def read(self) -> Optional[dict]:
         """The current lock record, None when no run holds the lock (for `batchrun status`)."""
-        return self._read(self.path)
+        return self._read(LOCK)

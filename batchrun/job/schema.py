@@ -168,7 +168,7 @@ class RuntimeSpec(_Strict):
     address: Optional[str] = None              # ray.init address: None = $RAY_ADDRESS or a new local Ray;
     #                                            "auto" = the cluster `ray start` joined this machine to
     replicas: Optional[int] = Field(None, ge=1)        # None: as many as the cluster's GPUs (or CPUs) fit
-    gpus_per_replica: Optional[float] = Field(None, ge=0)   # None: 1 if the cluster has GPUs, else 0
+    gpus_per_replica: Optional[float] = Field(None, ge=0)   # None: tensor_parallel_size if the cluster has GPUs, else 0
     cpus_per_replica: float = Field(1.0, gt=0)          # also the replica's torch thread count (rounded up)
     max_restarts: int = Field(3, ge=0)                  # Ray restarts of a dead replica before giving up on it
     max_unit_attempts: int = Field(3, ge=1)             # a unit failing this often is committed as error rows

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 def _kv_budget_estimate(spec: JobSpec, weights_bytes: int, kv_bytes_per_token: int,
                         max_len: int) -> tuple[Optional[int], str]:
-    """What the engine will size its KV cache to (runner.ModelRunner._kv_budget), without loading it."""
+    """What the engine will size its KV cache to (engine.kv_memory.kv_budget), without loading it."""
     if spec.engine.kv_cache_memory is not None:
         return int(spec.engine.kv_cache_memory), "engine.kv_cache_memory"
     import torch
@@ -24,11 +24,11 @@ def _kv_budget_estimate(spec: JobSpec, weights_bytes: int, kv_bytes_per_token: i
             "estimate: gpu_memory_utilization x GPU memory - weights (activations are profiled at load)"
     from batchrun.engine.config import DEVICE_DEFAULTS
     from batchrun.engine.kv_cache import blocks_needed
-    from batchrun.engine.runner import _available_host_memory
+    from batchrun.engine.kv_memory import available_host_memory
     seqs = spec.engine.max_num_seqs or DEVICE_DEFAULTS["cpu"]["max_num_seqs"]
     bs = spec.engine.block_size
     useful = seqs * blocks_needed(max_len, bs) * bs * kv_bytes_per_token
-    half = int(0.5 * _available_host_memory())
+    half = int(0.5 * available_host_memory())
     return min(useful, half), (f"max_num_seqs {seqs} x max_model_len {max_len}" if useful <= half
                                else "half the available RAM") + "; pages touched only as used"
 
