@@ -42,8 +42,9 @@ def local_rows(out: str) -> list:
     return duckdb.connect().execute(f"SELECT {COLS} FROM read_parquet('{out}/*.parquet') ORDER BY id").fetchall()
 
 
-def upload_inputs(store, reference, prefix: str = "shared/in") -> str:
-    """The reference prompts copied to `prefix` on the store (once); returns its URL."""
+def upload_inputs(store, reference, prefix: str = "storejobs/in") -> str:
+    """The reference prompts copied to `prefix` on the store (once); returns its URL. The prefix is this
+    module's own: the session's S3 server also holds test_object_store's different `shared/in/`."""
     fs = store.fs()
     src = reference[0]
     for name in sorted(os.listdir(src)):

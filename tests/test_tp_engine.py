@@ -35,8 +35,10 @@ def _greedy(path: str, **kw) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch,kw", [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {}),
-                                     ("llama", TIGHT)], ids=["llama", "qwen2", "qwen3", "mistral", "llama-tight"])
+# llama (2 KV heads) under the tight budget with every feature on; qwen2's q/k/v bias; qwen3's q/k norms.
+# (mistral's window is per head, unchanged by the split: its attention path is llama's.)
+@pytest.mark.parametrize("arch,kw", [("qwen2", {}), ("qwen3", {}), ("llama", TIGHT)],
+                         ids=["qwen2", "qwen3", "llama-tight"])
 def test_two_ranks_generate_what_one_does(hf_models, arch, kw):
     path = hf_models[arch][0]
     assert _greedy(path, tensor_parallel_size=2, **kw) == _greedy(path, **kw)
@@ -82,13 +84,13 @@ def test_job_refuses_a_bad_size_with_exit_2(tmp_path):
 
 def test_job_with_a_killed_worker_resumes_exactly_once(tmp_path):
     model = tiny_model(str(tmp_path / "model"))
-    n = 192
+    n = 96
     write_parquet_files(str(tmp_path / "in"), prompt_rows(n), files=2)
     out = str(tmp_path / "out")
     job = write_job(str(tmp_path / "job.yaml"), model, str(tmp_path / "in"), out,
                     engine={"tensor_parallel_size": 2, "max_num_seqs": 8, "device": "cpu"},
-                    sampling={"max_tokens": 24, "temperature": 0.0, "ignore_eos": True},
-                    plan={"unit_rows": 16})
+                    sampling={"max_tokens": 16, "temperature": 0.0, "ignore_eos": True},
+                    plan={"unit_rows": 12})
     proc = subprocess.Popen([sys.executable, "-m", "batchrun.cli", "submit", job], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
