@@ -82,7 +82,14 @@ def test_job_refuses_a_bad_size_with_exit_2(tmp_path):
     assert len(lines) == 1 and "engine.tensor_parallel_size" in lines[0] and "Traceback" not in res.stderr
 
 
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 def test_job_with_a_killed_worker_resumes_exactly_once(tmp_path):
+    """The job freezes right after its first unit is committed (windows of two units, so most rows are
+    still to come), its worker is killed, and the job wakes: exit 75, then a resubmit finishes the rest."""
     model = tiny_model(str(tmp_path / "model"))
     n = 96
     write_parquet_files(str(tmp_path / "in"), prompt_rows(n), files=2)
@@ -90,20 +97,21 @@ def test_job_with_a_killed_worker_resumes_exactly_once(tmp_path):
     job = write_job(str(tmp_path / "job.yaml"), model, str(tmp_path / "in"), out,
                     engine={"tensor_parallel_size": 2, "max_num_seqs": 8, "device": "cpu"},
                     sampling={"max_tokens": 16, "temperature": 0.0, "ignore_eos": True},
-                    plan={"unit_rows": 12})
-    proc = subprocess.Popen([sys.executable, "-m", "batchrun.cli", "submit", job], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                    plan={"unit_rows": 12, "window_units": 2})
+    env = {**os.environ, "BATCHRUN_TEST_STOP_AT": "after_done:1"}
+    proc = subprocess.Popen([sys.executable, "-m", "batchrun.cli", "submit", job, "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 120
-        while not [f for f in os.listdir(out) if f.endswith(".parquet")] if os.path.isdir(out) else True:
-            # until one unit is committed: the engine is running
+        while not _stopped(proc.pid):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.2)
+            time.sleep(0.1)
         ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
         workers = [int(x.split()[0]) for x in ps.stdout.splitlines()
                    if "multiprocessing.spawn" in x and "resource_tracker" not in x]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGCONT)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
