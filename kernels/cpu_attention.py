@@ -39,9 +39,9 @@ NAME = "batchrun_cpu_attention"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "cpu_attention.cpp"
 # one library: the attention op, the layer's elementwise ops (cpu_layer_ops.py), the bf16 projection
-# (cpu_gemm.py) and their shared header
-EXTRA_SOURCES = [CSRC / "cpu_layer_ops.cpp", CSRC / "cpu_gemm.cpp"]
-HEADERS = [CSRC / "vec.h"]
+# (cpu_gemm.py), the whole layer composed of them (cpu_decoder_layer.py) and their shared headers
+EXTRA_SOURCES = [CSRC / "cpu_layer_ops.cpp", CSRC / "cpu_gemm.cpp", CSRC / "cpu_decoder_layer.cpp"]
+HEADERS = [CSRC / "vec.h", CSRC / "ops.h"]
 # -O2: the hot loops use explicit vector types, so -O3 buys nothing here but triples the build time.
 # No -march: the source compiles its kernel for several ISAs and picks one at run time. Threads come from
 # torch's own pool (stable parallel_for), so no OpenMP flags.
@@ -160,6 +160,10 @@ def _register_fake() -> None:
 
         @torch.library.register_fake("batchrun_cpu::rope_")
         def _(q, k, cos_sin, positions):
+            return None
+
+        @torch.library.register_fake("batchrun_cpu::decoder_layer")
+        def _(h, *args):
             return None
 
         @torch.library.register_fake("batchrun_cpu::bf16_linear")

@@ -1,9 +1,11 @@
-"""bfloat16 projections on AVX-512 BF16 CPUs from a weight packed once at load: a compiled op.
+"""bfloat16 projections on x86-64 CPUs from a weight packed once at load: a compiled op.
 
 oneDNN's bf16 GEMM (what torch runs, with or without its packed layout) reads a decode step's weights at
-about half this machine kind's memory bandwidth when the step has one or a few rows; this op reads them at
-close to it and matches oneDNN from tens of rows up (csrc/cpu_gemm.cpp says how). pack(w [n, K]) ->
-[ceil(n/16), K/2, 16, 2] pairs each 16 output rows' K values for VDPBF16PS; linear(x, wp, n) = x @ w.T.
+about half this machine kind's memory bandwidth when the step has one or a few rows, and on CPUs without
+native bf16 arithmetic (AVX2 only) torch's bf16 F.linear runs several times slower than float32. This op
+reads the weights at close to memory speed on AVX-512 BF16 (VDPBF16PS) and on AVX2 + FMA (the bf16 pairs
+widened to float in registers), and matches oneDNN from tens of rows up (csrc/cpu_gemm.cpp says how).
+pack(w [n, K]) -> [ceil(n/16), K/2, 16, 2] pairs each 16 output rows' K values; linear(x, wp, n) = x @ w.T.
 Float accumulation, one rounding at the end: the reference is torch's F.linear on the unpacked weight
 (results differ only in the order of the float sums). Built into cpu_attention.py's library.
 """
@@ -14,9 +16,24 @@ import torch
 from batchrun.kernels import cpu_attention
 
 
+ISAS = {1: "avx2", 2: "avx512_bf16"}
+
+
 def supported() -> bool:
-    """The op is built and this CPU has AVX-512 BF16."""
+    """The op is built and this CPU has AVX-512 BF16 or AVX2 with FMA."""
     return cpu_attention.load() and bool(torch.ops.batchrun_cpu.bf16_linear_supported())
+
+
+def isa() -> str:
+    """The instruction set the op runs with here ("avx512_bf16", "avx2"); "none" if it cannot run."""
+    return ISAS.get(int(torch.ops.batchrun_cpu.gemm_isa()), "none") if cpu_attention.load() else "none"
+
+
+def set_isa(name: str) -> str:
+    """Cap the instruction set ("avx2", "avx512_bf16"; never above the machine's), for tests of the AVX2 path
+    on an AVX-512 machine; returns the previous cap."""
+    levels = {v: k for k, v in ISAS.items()}
+    return ISAS[int(torch.ops.batchrun_cpu.set_gemm_isa(levels[name]))]
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,19 @@ from batchrun import LLM, SamplingParams
 from batchrun.kernels import cpu_gemm
 from batchrun.models.cpu_linear import GEMM_ENV, linear, pack
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.supported(), reason="this CPU has no AVX-512 BF16")
+pytestmark = pytest.mark.skipif(not cpu_gemm.supported(), reason="this CPU has neither AVX-512 BF16 nor AVX2")
+MACHINE_ISA = cpu_gemm.isa() if cpu_gemm.supported() else "none"
+
+
+@pytest.fixture(params=["avx512_bf16", "avx2"])
+def isa(request):
+    """Each kernel path this machine can run (the AVX2 one runs on AVX-512 machines too, capped)."""
+    if request.param == "avx512_bf16" and MACHINE_ISA != "avx512_bf16":
+        pytest.skip("this CPU has no AVX-512 BF16")
+    old = cpu_gemm.set_isa(request.param)
+    assert cpu_gemm.isa() == request.param
+    yield request.param
+    cpu_gemm.set_isa(old)
 
 
 def within_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -23,7 +35,7 @@ def within_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 12, 13, 64, 301])
 @pytest.mark.parametrize("N,K", [(16, 2), (48, 64), (100, 64), (960, 576), (576, 1536)])
-def test_linear_is_the_product_within_rounding(M, N, K):
+def test_linear_is_the_product_within_rounding(isa, M, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N)
     w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
     x = (torch.randn(M, K + 6, generator=g)).to(torch.bfloat16)[:, 3:3 + K]      # strided rows
@@ -70,6 +82,8 @@ def test_bf16_engine_runs_on_the_own_layout_and_agrees_with_onednn(hf_models, mo
     assert own.engine.runner.model.layers[0].mlp.down_proj.weight.dim() == 4
     monkeypatch.setenv(GEMM_ENV, "onednn")
     onednn = LLM(path, dtype="bfloat16", max_num_seqs=4)
-    assert onednn.engine.runner.model.layers[0].mlp.down_proj.weight.is_mkldnn
+    w = onednn.engine.runner.model.layers[0].mlp.down_proj.weight
+    # oneDNN's packed layout where its bf16 kernels run here, else torch's plain weight (F.linear)
+    assert w.is_mkldnn if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (w.dim() == 2 and not w.is_mkldnn)
     a, b = (llm.generate(prompts, params, use_tqdm=False) for llm in (own, onednn))
     assert [x.token_ids for x in a] == [y.token_ids for y in b]

@@ -137,8 +137,8 @@ def kv1_llama(tmp_path_factory):
     return path
 
 
-# every architecture runs at tensor_parallel_size=2 end to end in test_tp_engine.py; here the logits, on the
-# q/k/v bias (qwen2) and on one KV head replicated on both ranks
+# llama (tight budget, every feature), qwen2 and qwen3 run at tensor_parallel_size=2 end to end in
+# test_tp_engine.py; here the logits, on the q/k/v bias (qwen2) and on one KV head replicated on both ranks
 @pytest.mark.parametrize("arch", ["qwen2", "llama-kv1"])
 def test_two_ranks_equal_one(hf_models, kv1_llama, arch):
     path = kv1_llama if arch == "llama-kv1" else hf_models[arch][0]

@@ -144,8 +144,9 @@ class ModelRunner:
         self.packed_extra_bytes = pack_linear_weights(model, config.max_num_seqs) if self.packed_linear else 0
         # norms, RoPE and SwiGLU's activation as one compiled op each (models/cpu_fused.py); eager CPU only
         self.fused_layer_ops = not self.compiled and fused_ops_supported(self.device, self.dtype)
-        if self.fused_layer_ops:
-            use_fused_layer_ops(model)
+        if self.fused_layer_ops:     # and the whole layer as one op where it can (not under TP: its all-reduces)
+            use_fused_layer_ops(model, whole_layer=self.world == 1)
+        self.decoder_layer_op = model.dense_fns.layers is not None
 
         if self.world > 1:    # o_proj and down_proj sum their partial products over the ranks
             apply_tensor_parallel(model, tp_group if self.device.type == "cpu" else None)
@@ -183,7 +184,7 @@ class ModelRunner:
             "tensor_parallel_size": self.world,     # weights and KV above are one rank's
             "compiled": self.compiled,
             "packed_linear": self.packed_linear, "packed_extra_bytes": self.packed_extra_bytes,
-            "fused_layer_ops": self.fused_layer_ops,
+            "fused_layer_ops": self.fused_layer_ops, "decoder_layer_op": self.decoder_layer_op,
             "quantization": self.quantization, "quantized_bytes": self.quantized_bytes,
             "quant_kernels": bool(self.quantization) and kernels_enabled(),
         }

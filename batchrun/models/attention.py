@@ -80,6 +80,10 @@ class TorchAttentionBackend:
                 self._ops = False
         return self._ops or None
 
+    def op_ready(self, x: torch.Tensor) -> bool:
+        """Attention on x's device and dtype runs the compiled op (loading it on the first call)."""
+        return self._cpu_ops(x) is not None
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         ops = self._cpu_ops(k) if k_cache.device.type == "cpu" else None

@@ -6,6 +6,11 @@ functions over batchrun.kernels.cpu_layer_ops (one call per norm, RoPE of q and 
 activation; the residual add fused into the post-attention norm), ~15 calls per layer. Results equal llama.py's math
 but for a few float32 ulp (kernels/cpu_layer_ops.py says where). use_fused_layer_ops() installs them;
 BATCHRUN_CPU_FUSED_OPS=0 keeps the torch math.
+
+Where every layer is a bf16 Llama/Mistral layer with packed projections (models/cpu_linear.py's own layout),
+the whole layer, attention included, is one call (kernels/cpu_decoder_layer.py): the same ops in the same
+order as pre_attention -> attention -> post_attention here, so bit-identical to them, which remain its
+reference and the path for everything else. BATCHRUN_CPU_LAYER_OP=0 keeps the per-op path.
 """
 from __future__ import annotations
 
@@ -14,11 +19,12 @@ from typing import Optional
 
 import torch
 
-from batchrun.kernels import cpu_layer_ops as ops
+from batchrun.kernels import cpu_decoder_layer, cpu_layer_ops as ops
 from batchrun.models.cpu_linear import linear
 from batchrun.models.llama import DenseFns
 
 FUSED_OPS_ENV = "BATCHRUN_CPU_FUSED_OPS"
+LAYER_OP_ENV = "BATCHRUN_CPU_LAYER_OP"
 
 
 def pre_attention(h: torch.Tensor, ln_w: torch.Tensor, qkv_w: torch.Tensor, qkv_b: Optional[torch.Tensor],
@@ -61,7 +67,42 @@ def fused_ops_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return ops.available()
 
 
-def use_fused_layer_ops(model) -> None:
-    """Install the fused dense functions on a loaded LlamaModel (its cos_sin table must be float32)."""
+def whole_layers(model, h: torch.Tensor, rope: tuple, kv_caches: torch.Tensor, meta, backend) -> torch.Tensor:
+    """LlamaModel.run_layers with one decoder_layer call per layer; the per-op path where attention does not
+    run the compiled op (BATCHRUN_CPU_ATTENTION=torch, another backend)."""
+    ready = getattr(backend, "op_ready", None)
+    if ready is None or not ready(h):
+        return model.run_layers(h, rope, kv_caches, meta, backend)
+    cos_sin, positions = rope
+    h = h.contiguous()
+    step = (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    for i, (layer, weights) in enumerate(zip(model.layers, model._layer_weights)):
+        a = layer.self_attn
+        cpu_decoder_layer.decoder_layer(h, weights, kv_caches, i, cos_sin, positions, *step, a.num_heads,
+                                        layer.input_layernorm.eps, a.scale,
+                                        -1 if a.sliding_window is None else a.sliding_window, a.k_scale, a.v_scale)
+    return h
+
+
+def _layer_weights(layer) -> Optional[tuple]:
+    """(ln1, qkv, o, ln2, gate_up, down) if decoder_layer can run this layer, else None."""
+    a, mlp = layer.self_attn, layer.mlp
+    projs = (a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+    if a.qk_norm or a.qkv_proj.bias is not None or not all(
+            isinstance(w, torch.Tensor) and w.dim() == 4 and w.dtype == torch.bfloat16 for w in projs):
+        return None
+    qkv, o, gate_up, down = projs
+    return (layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down)
+
+
+def use_fused_layer_ops(model, whole_layer: bool = True) -> None:
+    """Install the fused dense functions on a loaded LlamaModel (its cos_sin table must be float32), and, with
+    whole_layer, the whole-layer op where every layer can take it (call after every other weight transform)."""
     model.cos_sin = model.cos_sin.float().contiguous()
     model._dense_fns = FUSED_DENSE
+    if not whole_layer or os.environ.get(LAYER_OP_ENV, "1") == "0" or not cpu_decoder_layer.available():
+        return
+    weights = [_layer_weights(layer) for layer in model.layers]
+    if all(w is not None for w in weights):
+        model._layer_weights = weights
+        model._dense_fns = FUSED_DENSE._replace(layers=whole_layers)

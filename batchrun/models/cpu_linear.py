@@ -1,10 +1,11 @@
 """Projection weights packed once at load on CPU: a transform applied to a loaded model.
 
-torch's plain bf16 `F.linear` on CPU is slow for the few-row products of a decode step. pack_linear_weights()
-reorders every projection weight (and the logits weight) once at load: on an AVX-512 BF16 CPU into the layout
-of batchrun's own kernel (kernels/cpu_gemm.py), which reads a decode step's weights at close to memory speed
-and keeps up with oneDNN at many rows; elsewhere into oneDNN's packed layout (2.5x faster than F.linear at
-one row, 1.2x at 64, bit-identical). linear() dispatches on the weight's form, so the model's math reads the
+torch's plain bf16 `F.linear` on CPU is slow for the few-row products of a decode step (and at every size on
+CPUs without native bf16 arithmetic). pack_linear_weights() reorders every projection weight (and the logits
+weight) once at load: on an x86-64 CPU with AVX-512 BF16 or AVX2 into the layout of batchrun's own kernel
+(kernels/cpu_gemm.py), which reads a decode step's weights at close to memory speed and keeps up with oneDNN
+at many rows; elsewhere, where oneDNN has bf16 kernels, into oneDNN's packed layout (2.5x faster than
+F.linear at one row, 1.2x at 64, bit-identical). linear() dispatches on the weight's form, so the model's math reads the
 same either way. BATCHRUN_CPU_PACKED_LINEAR=0 keeps torch's plain F.linear (the reference);
 BATCHRUN_CPU_GEMM=onednn uses oneDNN's layout even where the own kernel runs.
 """
@@ -35,19 +36,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -
     return nn.functional.linear(x, w, b)
 
 
+def _onednn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def packing_supported(dtype: torch.dtype) -> bool:
-    """bf16 on a CPU whose oneDNN has bf16 kernels (fp32 keeps torch's own GEMM: the parity tests' path)."""
-    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """bf16 on a CPU where batchrun's kernel or oneDNN's bf16 kernels run (fp32 keeps torch's own GEMM: the
+    parity tests' path)."""
+    return dtype == torch.bfloat16 and (_own_gemm() or _onednn_bf16())
 
 
 def pack(w: torch.Tensor, batch_hint: int) -> torch.Tensor:
-    """w [out, in] in the fastest layout this CPU has: batchrun's own (kernels/cpu_gemm.py: AVX-512 BF16,
-    out a multiple of 16) unless BATCHRUN_CPU_GEMM=onednn, else oneDNN's packed one."""
+    """w [out, in] in the fastest layout this CPU has: batchrun's own (kernels/cpu_gemm.py: AVX-512 BF16 or
+    AVX2, out a multiple of 16) unless BATCHRUN_CPU_GEMM=onednn, else oneDNN's packed one where oneDNN has
+    bf16 kernels, else as it is."""
     w = w.detach().contiguous()
     if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0 and _own_gemm():
         return cpu_gemm.pack(w)
-    return torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+    return torch.ops.mkldnn._reorder_linear_weight(w, batch_hint) if _onednn_bf16() else w
 
 
 def _own_gemm() -> bool:

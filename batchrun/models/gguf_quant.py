@@ -4,7 +4,7 @@
   group-32 int4 format of models/quant.py (w = (q - 8) s + z): s = d, z = 0 (Q4_0) or m + 8 d (Q4_1).
   The codes are the file's; d and m are fp16, so in a float32 model the weights equal gguf's dequantised
   values (m + 8 d is exact in float32 for the fp16 pairs a block holds); a bfloat16 model rounds s and z
-  to bfloat16, since torch's kernel takes them in the activation dtype.
+  to bfloat16, since the kernels take them in the activation dtype.
 - Q8_0 (w = d q, blocks of 32): torch's int8 kernel takes one scale per output channel, so these are
   requantised per channel from the dequantised values (lossy: at most half a per-channel step per weight).
 - Any other type (F16/F32, the K-quants) stays as loaded, dense in the model's dtype.
@@ -95,7 +95,9 @@ def keep_gguf_quantized(model: torch.nn.Module, info: ModelInfo, lm_head: bool, 
         srcs = sorted(groups.get(f"{name}.weight", []), key=lambda hf: _fused_name(hf)[1] or 0)
         family = _family({types[s] for s in srcs})
         if family == "int4":
-            codes, scales, zeros = (torch.cat(p) for p in zip(*(int4[s] for s in srcs)))
+            # the file's codes are read on the host: on the model's device Int4Weight takes that device's layout
+            codes, scales, zeros = (torch.cat(p).to(model.embed_tokens.weight.device)
+                                    for p in zip(*(int4[s] for s in srcs)))
             qw = Int4Weight(codes, scales, zeros, BLOCK, dtype, use_kernel)
             report["int4"] += 1
         elif family == "int8":

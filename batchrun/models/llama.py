@@ -80,6 +80,8 @@ class DenseFns(NamedTuple):
     rope_inputs: Callable      # (cos_sin [P, D] float32, positions [T], dtype) -> pre's `rope`
     pre: Callable              # pre_attention's signature
     post: Callable             # post_attention's signature
+    # every layer at once, attention included: LlamaModel.run_layers' signature (None: run_layers itself)
+    layers: Optional[Callable] = None
 
 
 TORCH_DENSE = DenseFns(rope_tables, pre_attention, post_attention)
@@ -174,9 +176,16 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)
         fns = self.dense_fns
         rope = fns.rope_inputs(self.cos_sin, positions, h.dtype)
+        h = fns.layers(self, h, rope, kv_caches, meta, backend) if fns.layers else self.run_layers(
+            h, rope, kv_caches, meta, backend)
+        return self.norm(h)
+
+    def run_layers(self, h: torch.Tensor, rope: tuple, kv_caches: torch.Tensor, meta: AttentionMetadata,
+                   backend) -> torch.Tensor:
+        fns = self.dense_fns
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, kv_caches[i], meta, backend, fns.pre, fns.post)
-        return self.norm(h)
+        return h
 
     @property
     def dense_fns(self) -> DenseFns:

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "ops.h"
 
 namespace {
 
@@ -724,6 +725,19 @@ void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_ma
 int64_t cpu_isa() { return best_isa(); }
 
 }  // namespace
+
+namespace brcpu {  // for ops composed of these (ops.h)
+Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens,
+                       Tensor block_tables, double scale, int64_t sliding_window, int64_t isa, double k_scale,
+                       double v_scale) {
+  return ::paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, isa,
+                           k_scale, v_scale);
+}
+void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, double k_scale,
+              double v_scale) {
+  ::store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+}
+}  // namespace brcpu
 
 STABLE_TORCH_LIBRARY(batchrun_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "

@@ -1,22 +1,29 @@
-// bfloat16 projections on AVX-512 BF16 CPUs from a weight packed once at load (batchrun.kernels.cpu_gemm).
+// bfloat16 projections on x86-64 CPUs (AVX-512 BF16, or AVX2 + FMA) from a weight packed once at load
+// (batchrun.kernels.cpu_gemm).
 //
 // batchrun_cpu::bf16_linear(x [M, K] bf16, wp [NB, K/2, 16, 2] bf16, n) -> [M, n] bf16 = x @ w.T
 //
-// wp holds w [n, K] in pairs along K for VDPBF16PS: wp[b, p, j, t] = w[16 b + j, 2 p + t] (rows past n are
-// zero). One instruction multiplies a broadcast pair of x by 16 output rows' pairs and adds into 16 float
-// accumulators, so a tile of MR rows x NB blocks of 16 outputs keeps MR x NB accumulators in registers and
-// reads each weight vector once for all MR rows. Threads split the output blocks: at one row (a decode step
-// at batch 1) every weight byte is read once, in NB sequential streams per thread, at memory speed; at many
-// rows a thread's blocks (NB x 16 outputs x K) stay in L2 while it walks the row tiles. Float accumulation,
-// one rounding to bfloat16 at the end (the products are exact; only the order of the sums differs from
-// torch's F.linear, the reference).
+// wp holds w [n, K] in pairs along K: wp[b, p, j, t] = w[16 b + j, 2 p + t] (rows past n are zero).
+// AVX-512 BF16: one VDPBF16PS multiplies a broadcast pair of x by 16 output rows' pairs and adds into 16
+// float accumulators, so a tile of MR rows x NB blocks of 16 outputs keeps MR x NB accumulators in registers
+// and reads each weight vector once for all MR rows. AVX2: a 32-bit lane of the layout is (even k, odd k)
+// of one output, so a shift and a mask make the two float vectors of 8 outputs' weights, and FMAs with the
+// broadcast x values accumulate them (machines without native bf16 arithmetic, where torch's bf16 GEMM
+// converts everything and runs several times slower than float32). Threads split the output blocks: at one
+// row (a decode step at batch 1) every weight byte is read once, in a few sequential streams per thread, at
+// memory speed; at many rows a thread's blocks stay in L2 while it walks the row tiles. Float accumulation
+// (products of two bfloat16 are exact in float), one rounding to bfloat16 at the end: only the order of the
+// sums differs from torch's F.linear, the reference.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+
+#include "ops.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -102,22 +109,107 @@ BR_BF16_TARGET void run_groups(const uint16_t* x, int64_t xs, int64_t M, const u
 }
 #endif
 
-bool detect() {
 #ifdef BR_GEMM_X86
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
-bool supported() {  // checked on every call: detected once
-  static const bool ok = detect();
-  return ok;
+#define BR_AVX2_TARGET __attribute__((target("avx2,fma")))
+
+// rows [m0, m0 + R) x one block of 16 outputs (b0); R <= 4. At one or two rows the even and odd products
+// go to separate accumulators (four short dependency chains a row instead of two long ones).
+template <int R>
+BR_AVX2_TARGET inline void tile_avx2(const uint16_t* __restrict__ x, int64_t xs, const uint16_t* __restrict__ wp,
+                                     int64_t KP, int64_t b0, uint16_t* __restrict__ out, int64_t os, int64_t n) {
+  constexpr int A = R <= 2 ? 4 : 2;
+  __m256 acc[R][A];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+  const uint16_t* w = wp + b0 * KP * 32;
+  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t p = 0; p < KP; ++p) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));       // outputs 0..7
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));  // outputs 8..15
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, odd_mask));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, odd_mask));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair, even, odd;
+      __builtin_memcpy(&pair, x + r * xs + 2 * p, 4);
+      even = pair << 16;
+      odd = pair & 0xffff0000u;
+      float fe, fo;
+      __builtin_memcpy(&fe, &even, 4);
+      __builtin_memcpy(&fo, &odd, 4);
+      const __m256 be = _mm256_set1_ps(fe), bo = _mm256_set1_ps(fo);
+      if constexpr (A == 4) {
+        acc[r][0] = _mm256_fmadd_ps(be, e0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(be, e1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(bo, o0, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(bo, o1, acc[r][3]);
+      } else {
+        acc[r][0] = _mm256_fmadd_ps(bo, o0, _mm256_fmadd_ps(be, e0, acc[r][0]));
+        acc[r][1] = _mm256_fmadd_ps(bo, o1, _mm256_fmadd_ps(be, e1, acc[r][1]));
+      }
+    }
+  }
+  const int64_t col = b0 * 16, left = std::min<int64_t>(16, n - col);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float f[16];
+    if constexpr (A == 4) {
+      _mm256_storeu_ps(f, _mm256_add_ps(acc[r][0], acc[r][2]));
+      _mm256_storeu_ps(f + 8, _mm256_add_ps(acc[r][1], acc[r][3]));
+    } else {
+      _mm256_storeu_ps(f, acc[r][0]);
+      _mm256_storeu_ps(f + 8, acc[r][1]);
+    }
+    for (int64_t j = 0; j < left; ++j) {  // round to nearest even, as c10::BFloat16(float) (NaN -> 0x7fc0)
+      uint32_t u;
+      __builtin_memcpy(&u, f + j, 4);
+      out[r * os + col + j] = f[j] != f[j] ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
 }
 
+// output blocks [b0, b1) for all M rows, 4 rows at a time
+BR_AVX2_TARGET void run_blocks_avx2(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t KP,
+                                    uint16_t* out, int64_t os, int64_t n, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile_avx2<4>(x + m * xs, xs, wp, KP, b, out + m * os, os, n);
+    const uint16_t* xr = x + m * xs;
+    uint16_t* o = out + m * os;
+    switch (M - m) {
+      case 3: tile_avx2<3>(xr, xs, wp, KP, b, o, os, n); break;
+      case 2: tile_avx2<2>(xr, xs, wp, KP, b, o, os, n); break;
+      case 1: tile_avx2<1>(xr, xs, wp, KP, b, o, os, n); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+enum Isa { NONE = 0, AVX2 = 1, AVX512_BF16 = 2 };
+
+int detect() {
+#ifdef BR_GEMM_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
+    return AVX512_BF16;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+#endif
+  return NONE;
+}
+std::atomic<int64_t> isa_cap{AVX512_BF16};  // tests lower it to run the AVX2 path on an AVX-512 machine
+int isa() {  // checked on every call: detected once
+  static const int best = detect();
+  return static_cast<int>(std::min<int64_t>(best, isa_cap.load(std::memory_order_relaxed)));
+}
+bool supported() { return isa() != NONE; }
+
 Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) {
-  STD_TORCH_CHECK(supported(), "bf16_linear: this CPU has no AVX-512 BF16");
+  const int use = isa();
+  STD_TORCH_CHECK(use != NONE, "bf16_linear: this CPU has neither AVX-512 BF16 nor AVX2 with FMA");
   STD_TORCH_CHECK(x.is_cpu() && wp.is_cpu() && x.scalar_type() == ScalarType::BFloat16 &&
                       wp.scalar_type() == ScalarType::BFloat16,
                   "bf16_linear: bfloat16 CPU tensors only");
@@ -135,7 +227,10 @@ Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) {
   const uint16_t* w = static_cast<const uint16_t*>(wp.data_ptr());
   uint16_t* o = static_cast<uint16_t*>(out.data_ptr());
   const int64_t xs = x.stride(0), os = out.stride(0), groups = (blocks + NB - 1) / NB;
-  auto body = [&](int64_t g0, int64_t g1) { run_groups(xp, xs, M, w, KP, blocks, o, os, n, g0, g1); };
+  auto body = [&](int64_t g0, int64_t g1) {
+    if (use == AVX512_BF16) run_groups(xp, xs, M, w, KP, blocks, o, os, n, g0, g1);
+    else run_blocks_avx2(xp, xs, M, w, KP, o, os, n, g0 * NB, std::min(blocks, g1 * NB));
+  };
   // a few microseconds of work per group at one row: hand threads contiguous halves, not single groups
   if (groups * M * K < (1 << 14)) body(0, groups);
   else torch::stable::parallel_for(0, groups, 1, body);
@@ -145,15 +240,28 @@ Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) {
 
 bool bf16_linear_supported() { return supported(); }
 
+// the highest ISA the kernel may use (1 AVX2, 2 AVX-512 BF16; capped by the machine's); returns the old cap
+int64_t set_gemm_isa(int64_t cap) { return isa_cap.exchange(cap); }
+int64_t gemm_isa() { return isa(); }
+
 }  // namespace
+
+namespace brcpu {  // for ops composed of these (ops.h)
+Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) { return ::bf16_linear(x, wp, n); }
+bool bf16_linear_supported() { return ::bf16_linear_supported(); }
+}  // namespace brcpu
 
 STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor wp, int n) -> Tensor");
   m.def("bf16_linear_supported() -> bool");
+  m.def("set_gemm_isa(int isa) -> int");
+  m.def("gemm_isa() -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) { m.impl("bf16_linear", TORCH_BOX(&bf16_linear)); }
 
 STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CompositeExplicitAutograd, m) {
   m.impl("bf16_linear_supported", TORCH_BOX(&bf16_linear_supported));
+  m.impl("set_gemm_isa", TORCH_BOX(&set_gemm_isa));
+  m.impl("gemm_isa", TORCH_BOX(&gemm_isa));
 }

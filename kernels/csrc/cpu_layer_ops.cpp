@@ -28,6 +28,7 @@
 #include <cstdint>
 
 #include "vec.h"
+#include "ops.h"
 
 namespace {
 
@@ -291,6 +292,13 @@ Tensor silu_mul(Tensor gate_up) {
 int64_t set_layer_ops_isa(int64_t isa) { return max_isa.exchange(isa); }
 
 }  // namespace
+
+namespace brcpu {  // for ops composed of these (ops.h)
+Tensor rms_norm(Tensor x, Tensor w, double eps) { return ::rms_norm(x, w, eps); }
+Tensor add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps) { return ::add_rms_norm(x, residual, w, eps); }
+void rope_(Tensor q, Tensor k, Tensor cos_sin, Tensor positions) { ::rope_(q, k, cos_sin, positions); }
+Tensor silu_mul(Tensor gate_up) { return ::silu_mul(gate_up); }
+}  // namespace brcpu
 
 STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");

@@ -1,0 +1,103 @@
+// A whole decoder layer of a Llama-family model (no q/k/v bias, no q/k norms) in bfloat16 on CPU, in one call
+// (batchrun.kernels.cpu_decoder_layer): the library's ops in the order and with the arguments of
+// models/cpu_fused.py's pre_attention -> store_kv + paged_attention -> post_attention, so its results are
+// bit-identical to that path. What it saves is the ~15 Python-level calls per layer between them, the largest
+// cost of a small model's decode step at batch 1 after the weights' bytes.
+//
+// batchrun_cpu::decoder_layer(h(a!) [T, H], ln1_w [H], qkv_wp, o_wp, ln2_w [H], gate_up_wp, down_wp,
+//     kv_caches(b!) [L, 2, N, bs, Hkv, D], layer, cos_sin [P, D] float32, positions [T] int64,
+//     slot_mapping [T] int64, query_start_loc [B+1], seq_lens [B], block_tables [B, W] int32,
+//     num_heads, eps, scale, sliding_window, k_scale, v_scale) -> ()
+//
+// The weights are cpu_gemm.pack()ed ([n/16, K/2, 16, 2], n a multiple of 16). h is the residual stream and
+// becomes the layer's output in place; layer `layer`'s K/V of this step go into kv_caches.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <cstdint>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+// a tensor over memory the caller keeps alive (a view without a dispatcher call)
+Tensor over(void* data, const Tensor& like, ScalarType dtype, torch::headeronly::IntHeaderOnlyArrayRef sizes,
+            torch::headeronly::IntHeaderOnlyArrayRef strides) {
+  return torch::stable::from_blob(data, sizes, strides, like.device(), dtype);
+}
+
+// h += y over contiguous bfloat16 rows: each sum in float, rounded once, as torch's bfloat16 add
+void add_(const Tensor& h, const Tensor& y) {
+  const int64_t n = h.numel();
+  auto* hp = static_cast<c10::BFloat16*>(h.data_ptr());
+  const auto* yp = static_cast<const c10::BFloat16*>(y.data_ptr());
+  auto body = [&](int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) vstore_bf16<16>(hp + i, vload_bf16<16>(hp + i) + vload_bf16<16>(yp + i));
+    for (; i < i1; ++i) hp[i] = c10::BFloat16(to_f(hp[i]) + to_f(yp[i]));
+  };
+  if (n < (1 << 16)) body(0, n);
+  else torch::stable::parallel_for(0, n, 1 << 14, body);
+}
+
+int64_t packed_n(const Tensor& wp) { return wp.size(0) * 16; }
+
+void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln2_w, Tensor gate_up_wp,
+                   Tensor down_wp, Tensor kv_caches, int64_t layer, Tensor cos_sin, Tensor positions,
+                   Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables,
+                   int64_t num_heads, double eps, double scale, int64_t sliding_window, double k_scale,
+                   double v_scale) {
+  STD_TORCH_CHECK(h.is_cpu() && h.scalar_type() == ScalarType::BFloat16 && h.dim() == 2 && h.is_contiguous(),
+                  "decoder_layer: h must be a contiguous bfloat16 [T, H] CPU tensor");
+  STD_TORCH_CHECK(kv_caches.is_cpu() && kv_caches.dim() == 6 && kv_caches.size(1) == 2 && kv_caches.stride(5) == 1,
+                  "decoder_layer: kv_caches must be [L, 2, N, bs, Hkv, D] with a contiguous head dimension");
+  STD_TORCH_CHECK(layer >= 0 && layer < kv_caches.size(0), "decoder_layer: layer ", layer, " is not one of ",
+                  kv_caches.size(0));
+  const int64_t T = h.size(0), H = h.size(1), Hkv = kv_caches.size(4), D = kv_caches.size(5);
+  const int64_t q_size = num_heads * D, kv_size = Hkv * D, W = q_size + 2 * kv_size;
+  STD_TORCH_CHECK(packed_n(qkv_wp) == W && packed_n(o_wp) == H && packed_n(down_wp) == H,
+                  "decoder_layer: the packed weights do not match ", num_heads, " heads, ", Hkv,
+                  " KV heads of ", D, " and hidden ", H);
+
+  // this layer's caches: views of kv_caches[layer, 0] and [layer, 1]
+  const ScalarType kvt = kv_caches.scalar_type();
+  const int64_t esz = kv_caches.element_size();
+  char* kv = static_cast<char*>(kv_caches.data_ptr()) + layer * kv_caches.stride(0) * esz;
+  const int64_t N = kv_caches.size(2), bs = kv_caches.size(3);
+  const int64_t cs2 = kv_caches.stride(2), cs3 = kv_caches.stride(3), cs4 = kv_caches.stride(4);
+  Tensor k_cache = over(kv, kv_caches, kvt, {N, bs, Hkv, D}, {cs2, cs3, cs4, 1});
+  Tensor v_cache = over(kv + kv_caches.stride(1) * esz, kv_caches, kvt, {N, bs, Hkv, D}, {cs2, cs3, cs4, 1});
+
+  // input norm -> qkv projection -> RoPE of q and k in place -> K/V stored -> paged attention
+  Tensor qkv = brcpu::bf16_linear(brcpu::rms_norm(h, ln1_w, eps), qkv_wp, W);          // [T, W]
+  auto* p = static_cast<c10::BFloat16*>(qkv.data_ptr());
+  Tensor q = over(p, h, ScalarType::BFloat16, {T, num_heads, D}, {W, D, 1});
+  Tensor k = over(p + q_size, h, ScalarType::BFloat16, {T, Hkv, D}, {W, D, 1});
+  Tensor v = over(p + q_size + kv_size, h, ScalarType::BFloat16, {T, Hkv, D}, {W, D, 1});
+  brcpu::rope_(q, k, cos_sin, positions);
+  brcpu::store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+  Tensor o = brcpu::paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                    sliding_window, -1, k_scale, v_scale);                  // [T, Hq, D]
+
+  // o_proj added into h, its norm -> gate/up -> SwiGLU -> down, added into h
+  Tensor o2 = over(o.data_ptr(), h, ScalarType::BFloat16, {T, q_size}, {q_size, 1});
+  Tensor x = brcpu::add_rms_norm(brcpu::bf16_linear(o2, o_wp, H), h, ln2_w, eps);
+  add_(h, brcpu::bf16_linear(brcpu::silu_mul(brcpu::bf16_linear(x, gate_up_wp, packed_n(gate_up_wp))), down_wp, H));
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
+  m.def("decoder_layer(Tensor(a!) h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln2_w, Tensor gate_up_wp, "
+        "Tensor down_wp, Tensor(b!) kv_caches, int layer, Tensor cos_sin, Tensor positions, Tensor slot_mapping, "
+        "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, int num_heads, float eps, float scale, "
+        "int sliding_window, float k_scale, float v_scale) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) { m.impl("decoder_layer", TORCH_BOX(&decoder_layer)); }
