@@ -41,7 +41,7 @@ class EngineConfig:
     seed: seed of the global sampler generator (requests with a seed use their own).
     quantization: weight-only quantization of the linear layers at load (models/quant.py): None, "int8"
         (per-output-channel symmetric), "int4" (group-wise asymmetric) or "gguf" (a GGUF file's Q4_0/Q4_1/Q8_0
-        weights kept quantized); activations stay in `dtype`. CPU only.
+        weights kept quantized); activations stay in `dtype`. torch's kernels on CPU, Triton's on CUDA.
     quantization_group_size: int4 group along the input dim: 32, 64 or 128 (it must divide every layer).
     quantize_lm_head: quantize the logits weight too (a tied model keeps its embedding for lookups).
     tensor_parallel_size: ranks one model is split over (models/tp.py): heads and MLP rows sharded, one
