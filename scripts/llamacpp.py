@@ -131,9 +131,11 @@ def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "bf16", cache: str 
         return out
     src = source_dir(cache)
     os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
-    tmp = out + ".part"
+    tmp, hf_dir = os.path.abspath(out + ".part"), os.path.abspath(hf_dir)
+    # cwd: `python -c` puts the working directory first on sys.path, and batchrun's checkout has a top-level
+    # kernels/ that would shadow HF's `kernels` package, which transformers imports
     _run([sys.executable, "-c", _CONVERT_BOOTSTRAP, src, hf_dir, "--outfile", tmp, "--outtype", outtype],
-         log=os.path.join(cache, "convert.log"), timeout=1800)
+         log=os.path.join(cache, "convert.log"), timeout=1800, cwd=src)
     os.replace(tmp, out)
     return out
 
