@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "ops.h"
 
@@ -114,8 +115,10 @@ BR_BF16_TARGET void run_groups(const uint16_t* x, int64_t xs, int64_t M, const u
 
 // rows [m0, m0 + R) x one block of 16 outputs (b0); R <= 4. At one or two rows the even and odd products
 // go to separate accumulators (four short dependency chains a row instead of two long ones).
+// x: the rows already widened to float, even inputs then odd ones ([2, KP] floats a row, row stride xs), so
+// each broadcast is one load (moving a scalar from an integer register to a vector one is slow on Zen)
 template <int R>
-BR_AVX2_TARGET inline void tile_avx2(const uint16_t* __restrict__ x, int64_t xs, const uint16_t* __restrict__ wp,
+BR_AVX2_TARGET inline void tile_avx2(const float* __restrict__ x, int64_t xs, const uint16_t* __restrict__ wp,
                                      int64_t KP, int64_t b0, uint16_t* __restrict__ out, int64_t os, int64_t n) {
   constexpr int A = R <= 2 ? 4 : 2;
   __m256 acc[R][A];
@@ -132,14 +135,7 @@ BR_AVX2_TARGET inline void tile_avx2(const uint16_t* __restrict__ x, int64_t xs,
     const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, odd_mask));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      uint32_t pair, even, odd;
-      __builtin_memcpy(&pair, x + r * xs + 2 * p, 4);
-      even = pair << 16;
-      odd = pair & 0xffff0000u;
-      float fe, fo;
-      __builtin_memcpy(&fe, &even, 4);
-      __builtin_memcpy(&fo, &odd, 4);
-      const __m256 be = _mm256_set1_ps(fe), bo = _mm256_set1_ps(fo);
+      const __m256 be = _mm256_broadcast_ss(x + r * xs + p), bo = _mm256_broadcast_ss(x + r * xs + KP + p);
       if constexpr (A == 4) {
         acc[r][0] = _mm256_fmadd_ps(be, e0, acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(be, e1, acc[r][1]);
@@ -170,13 +166,25 @@ BR_AVX2_TARGET inline void tile_avx2(const uint16_t* __restrict__ x, int64_t xs,
   }
 }
 
-// output blocks [b0, b1) for all M rows, 4 rows at a time
-BR_AVX2_TARGET void run_blocks_avx2(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t KP,
+// x [M, K] bfloat16 (row stride xs) -> xf [M, 2, KP] float: even inputs, then odd ones
+void widen_rows(const uint16_t* x, int64_t xs, int64_t M, int64_t KP, float* xf) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < KP; ++p) {
+      uint32_t pair;
+      __builtin_memcpy(&pair, x + m * xs + 2 * p, 4);
+      const uint32_t even = pair << 16, odd = pair & 0xffff0000u;
+      __builtin_memcpy(xf + m * 2 * KP + p, &even, 4);
+      __builtin_memcpy(xf + m * 2 * KP + KP + p, &odd, 4);
+    }
+}
+
+// output blocks [b0, b1) for all M rows, 4 rows at a time; x widened by widen_rows (row stride xs = 2 KP)
+BR_AVX2_TARGET void run_blocks_avx2(const float* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t KP,
                                     uint16_t* out, int64_t os, int64_t n, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) tile_avx2<4>(x + m * xs, xs, wp, KP, b, out + m * os, os, n);
-    const uint16_t* xr = x + m * xs;
+    const float* xr = x + m * xs;
     uint16_t* o = out + m * os;
     switch (M - m) {
       case 3: tile_avx2<3>(xr, xs, wp, KP, b, o, os, n); break;
@@ -227,9 +235,14 @@ Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) {
   const uint16_t* w = static_cast<const uint16_t*>(wp.data_ptr());
   uint16_t* o = static_cast<uint16_t*>(out.data_ptr());
   const int64_t xs = x.stride(0), os = out.stride(0), groups = (blocks + NB - 1) / NB;
+  std::vector<float> xf;
+  if (use == AVX2) {
+    xf.resize(static_cast<size_t>(M * K));
+    widen_rows(xp, xs, M, KP, xf.data());
+  }
   auto body = [&](int64_t g0, int64_t g1) {
     if (use == AVX512_BF16) run_groups(xp, xs, M, w, KP, blocks, o, os, n, g0, g1);
-    else run_blocks_avx2(xp, xs, M, w, KP, o, os, n, g0 * NB, std::min(blocks, g1 * NB));
+    else run_blocks_avx2(xf.data(), 2 * KP, M, w, KP, o, os, n, g0 * NB, std::min(blocks, g1 * NB));
   };
   // a few microseconds of work per group at one row: hand threads contiguous halves, not single groups
   if (groups * M * K < (1 << 14)) body(0, groups);
