@@ -73,7 +73,7 @@ def test_float32_keeps_the_per_op_path(hf_models):
 def test_bad_arguments_are_refused(hf_models):
     llm = LLM(hf_models["llama"][0], dtype="bfloat16", max_num_seqs=2)
     model, kv = llm.engine.runner.model, llm.engine.runner.kv_caches
-    w = model._layer_weights[0]
+    w = model._layer_op_args[0][0]
     h = torch.zeros(1, 64, dtype=torch.bfloat16)
     cos_sin, pos = model.cos_sin, torch.zeros(1, dtype=torch.long)
     step = (torch.zeros(1, dtype=torch.long), torch.tensor([0, 1], dtype=torch.int32),

@@ -76,23 +76,25 @@ def whole_layers(model, h: torch.Tensor, rope: tuple, kv_caches: torch.Tensor, m
     cos_sin, positions = rope
     h = h.contiguous()
     step = (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables)
-    for i, (layer, weights) in enumerate(zip(model.layers, model._layer_weights)):
-        a = layer.self_attn
-        cpu_decoder_layer.decoder_layer(h, weights, kv_caches, i, cos_sin, positions, *step, a.num_heads,
-                                        layer.input_layernorm.eps, a.scale,
-                                        -1 if a.sliding_window is None else a.sliding_window, a.k_scale, a.v_scale)
+    for i, (layer, (weights, shape)) in enumerate(zip(model.layers, model._layer_op_args)):
+        a = layer.self_attn        # the KV scales are read per call: a calibration may set them after load
+        cpu_decoder_layer.decoder_layer(h, weights, kv_caches, i, cos_sin, positions, *step, *shape,
+                                        a.k_scale, a.v_scale)
     return h
 
 
-def _layer_weights(layer) -> Optional[tuple]:
-    """(ln1, qkv, o, ln2, gate_up, down) if decoder_layer can run this layer, else None."""
+def _layer_op_args(layer) -> Optional[tuple]:
+    """((ln1, qkv, o, ln2, gate_up, down), (num_heads, eps, scale, sliding_window or -1)) if decoder_layer can
+    run this layer, else None."""
     a, mlp = layer.self_attn, layer.mlp
     projs = (a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
     if a.qk_norm or a.qkv_proj.bias is not None or not all(
             isinstance(w, torch.Tensor) and w.dim() == 4 and w.dtype == torch.bfloat16 for w in projs):
         return None
     qkv, o, gate_up, down = projs
-    return (layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down)
+    weights = (layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down)
+    window = -1 if a.sliding_window is None else a.sliding_window
+    return weights, (a.num_heads, layer.input_layernorm.eps, a.scale, window)
 
 
 def use_fused_layer_ops(model, whole_layer: bool = True) -> None:
@@ -102,7 +104,7 @@ def use_fused_layer_ops(model, whole_layer: bool = True) -> None:
     model._dense_fns = FUSED_DENSE
     if not whole_layer or os.environ.get(LAYER_OP_ENV, "1") == "0" or not cpu_decoder_layer.available():
         return
-    weights = [_layer_weights(layer) for layer in model.layers]
-    if all(w is not None for w in weights):
-        model._layer_weights = weights
+    args = [_layer_op_args(layer) for layer in model.layers]
+    if all(a is not None for a in args):
+        model._layer_op_args = args
         model._dense_fns = FUSED_DENSE._replace(layers=whole_layers)

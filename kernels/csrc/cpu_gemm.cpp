@@ -261,7 +261,6 @@ int64_t gemm_isa() { return isa(); }
 
 namespace brcpu {  // for ops composed of these (ops.h)
 Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) { return ::bf16_linear(x, wp, n); }
-bool bf16_linear_supported() { return ::bf16_linear_supported(); }
 }  // namespace brcpu
 
 STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {

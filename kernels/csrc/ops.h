@@ -15,7 +15,6 @@ Tensor add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps);
 void rope_(Tensor q, Tensor k, Tensor cos_sin, Tensor positions);
 Tensor silu_mul(Tensor gate_up);
 Tensor bf16_linear(Tensor x, Tensor wp, int64_t n);                                  // cpu_gemm.cpp
-bool bf16_linear_supported();
 Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens,
                        Tensor block_tables, double scale, int64_t sliding_window, int64_t isa, double k_scale,
                        double v_scale);                                               // cpu_attention.cpp
