@@ -33,8 +33,8 @@ def within_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert bool((err <= bound).all()), float((err / bound).max())
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 12, 13, 64, 301])
-@pytest.mark.parametrize("N,K", [(16, 2), (48, 64), (100, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 12, 13, 23, 24, 27, 64, 301])
+@pytest.mark.parametrize("N,K", [(16, 2), (48, 64), (100, 64), (40, 258), (960, 576), (576, 1536)])
 def test_linear_is_the_product_within_rounding(isa, M, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N)
     w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)

@@ -6,14 +6,12 @@
 // wp holds w [n, K] in pairs along K: wp[b, p, j, t] = w[16 b + j, 2 p + t] (rows past n are zero).
 // AVX-512 BF16: one VDPBF16PS multiplies a broadcast pair of x by 16 output rows' pairs and adds into 16
 // float accumulators, so a tile of MR rows x NB blocks of 16 outputs keeps MR x NB accumulators in registers
-// and reads each weight vector once for all MR rows. AVX2: a 32-bit lane of the layout is (even k, odd k)
-// of one output, so a shift and a mask make the two float vectors of 8 outputs' weights, and FMAs with the
-// broadcast x values accumulate them (machines without native bf16 arithmetic, where torch's bf16 GEMM
-// converts everything and runs several times slower than float32). Threads split the output blocks: at one
-// row (a decode step at batch 1) every weight byte is read once, in a few sequential streams per thread, at
-// memory speed; at many rows a thread's blocks stay in L2 while it walks the row tiles. Float accumulation
-// (products of two bfloat16 are exact in float), one rounding to bfloat16 at the end: only the order of the
-// sums differs from torch's F.linear, the reference.
+// and reads each weight vector once for all MR rows. AVX2 + FMA (machines without native bf16 arithmetic,
+// where torch's bf16 GEMM converts everything and runs several times slower than float32): the kernels of
+// cpu_gemm_avx2.cpp. Threads split the output blocks: at one row (a decode step at batch 1) every weight
+// byte is read once, in a few sequential streams per thread, at memory speed; at many rows a thread's blocks
+// stay in L2 while it walks the row tiles. Float accumulation (products of two bfloat16 are exact in float),
+// one rounding to bfloat16 at the end: only the order of the sums differs from torch's F.linear, the reference.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -22,8 +20,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <vector>
 
+#include "cpu_gemm_avx2.h"
 #include "ops.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -110,92 +108,6 @@ BR_BF16_TARGET void run_groups(const uint16_t* x, int64_t xs, int64_t M, const u
 }
 #endif
 
-#ifdef BR_GEMM_X86
-#define BR_AVX2_TARGET __attribute__((target("avx2,fma")))
-
-// rows [m0, m0 + R) x one block of 16 outputs (b0); R <= 4. At one or two rows the even and odd products
-// go to separate accumulators (four short dependency chains a row instead of two long ones).
-// x: the rows already widened to float, even inputs then odd ones ([2, KP] floats a row, row stride xs), so
-// each broadcast is one load (moving a scalar from an integer register to a vector one is slow on Zen)
-template <int R>
-BR_AVX2_TARGET inline void tile_avx2(const float* __restrict__ x, int64_t xs, const uint16_t* __restrict__ wp,
-                                     int64_t KP, int64_t b0, uint16_t* __restrict__ out, int64_t os, int64_t n) {
-  constexpr int A = R <= 2 ? 4 : 2;
-  __m256 acc[R][A];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-  const uint16_t* w = wp + b0 * KP * 32;
-  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t p = 0; p < KP; ++p) {
-    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));       // outputs 0..7
-    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));  // outputs 8..15
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, odd_mask));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, odd_mask));
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 be = _mm256_broadcast_ss(x + r * xs + p), bo = _mm256_broadcast_ss(x + r * xs + KP + p);
-      if constexpr (A == 4) {
-        acc[r][0] = _mm256_fmadd_ps(be, e0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(be, e1, acc[r][1]);
-        acc[r][2] = _mm256_fmadd_ps(bo, o0, acc[r][2]);
-        acc[r][3] = _mm256_fmadd_ps(bo, o1, acc[r][3]);
-      } else {
-        acc[r][0] = _mm256_fmadd_ps(bo, o0, _mm256_fmadd_ps(be, e0, acc[r][0]));
-        acc[r][1] = _mm256_fmadd_ps(bo, o1, _mm256_fmadd_ps(be, e1, acc[r][1]));
-      }
-    }
-  }
-  const int64_t col = b0 * 16, left = std::min<int64_t>(16, n - col);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    float f[16];
-    if constexpr (A == 4) {
-      _mm256_storeu_ps(f, _mm256_add_ps(acc[r][0], acc[r][2]));
-      _mm256_storeu_ps(f + 8, _mm256_add_ps(acc[r][1], acc[r][3]));
-    } else {
-      _mm256_storeu_ps(f, acc[r][0]);
-      _mm256_storeu_ps(f + 8, acc[r][1]);
-    }
-    for (int64_t j = 0; j < left; ++j) {  // round to nearest even, as c10::BFloat16(float) (NaN -> 0x7fc0)
-      uint32_t u;
-      __builtin_memcpy(&u, f + j, 4);
-      out[r * os + col + j] = f[j] != f[j] ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
-  }
-}
-
-// x [M, K] bfloat16 (row stride xs) -> xf [M, 2, KP] float: even inputs, then odd ones
-void widen_rows(const uint16_t* x, int64_t xs, int64_t M, int64_t KP, float* xf) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t p = 0; p < KP; ++p) {
-      uint32_t pair;
-      __builtin_memcpy(&pair, x + m * xs + 2 * p, 4);
-      const uint32_t even = pair << 16, odd = pair & 0xffff0000u;
-      __builtin_memcpy(xf + m * 2 * KP + p, &even, 4);
-      __builtin_memcpy(xf + m * 2 * KP + KP + p, &odd, 4);
-    }
-}
-
-// output blocks [b0, b1) for all M rows, 4 rows at a time; x widened by widen_rows (row stride xs = 2 KP)
-BR_AVX2_TARGET void run_blocks_avx2(const float* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t KP,
-                                    uint16_t* out, int64_t os, int64_t n, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile_avx2<4>(x + m * xs, xs, wp, KP, b, out + m * os, os, n);
-    const float* xr = x + m * xs;
-    uint16_t* o = out + m * os;
-    switch (M - m) {
-      case 3: tile_avx2<3>(xr, xs, wp, KP, b, o, os, n); break;
-      case 2: tile_avx2<2>(xr, xs, wp, KP, b, o, os, n); break;
-      case 1: tile_avx2<1>(xr, xs, wp, KP, b, o, os, n); break;
-      default: break;
-    }
-  }
-}
-#endif
-
 enum Isa { NONE = 0, AVX2 = 1, AVX512_BF16 = 2 };
 
 int detect() {
@@ -235,17 +147,14 @@ Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) {
   const uint16_t* w = static_cast<const uint16_t*>(wp.data_ptr());
   uint16_t* o = static_cast<uint16_t*>(out.data_ptr());
   const int64_t xs = x.stride(0), os = out.stride(0), groups = (blocks + NB - 1) / NB;
-  std::vector<float> xf;
   if (use == AVX2) {
-    xf.resize(static_cast<size_t>(M * K));
-    widen_rows(xp, xs, M, KP, xf.data());
+    brgemm::avx2_linear(xp, xs, M, K, w, blocks, o, os, n);
+    return out;
   }
-  auto body = [&](int64_t g0, int64_t g1) {
-    if (use == AVX512_BF16) run_groups(xp, xs, M, w, KP, blocks, o, os, n, g0, g1);
-    else run_blocks_avx2(xf.data(), 2 * KP, M, w, KP, o, os, n, g0 * NB, std::min(blocks, g1 * NB));
-  };
-  // a few microseconds of work per group at one row: hand threads contiguous halves, not single groups
-  if (groups * M * K < (1 << 14)) body(0, groups);
+  auto body = [&](int64_t g0, int64_t g1) { run_groups(xp, xs, M, w, KP, blocks, o, os, n, g0, g1); };
+  // threads get contiguous runs of groups; only a product of a few microseconds (under 32K multiply-adds)
+  // stays on one thread, since one thread streams the weights at about half the machine's memory speed
+  if (blocks * 16 * M * K < (1 << 15)) body(0, groups);
   else torch::stable::parallel_for(0, groups, 1, body);
 #endif
   return out;
