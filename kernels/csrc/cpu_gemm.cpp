@@ -152,9 +152,7 @@ Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) {
     return out;
   }
   auto body = [&](int64_t g0, int64_t g1) { run_groups(xp, xs, M, w, KP, blocks, o, os, n, g0, g1); };
-  // threads get contiguous runs of groups; only a product of a few microseconds (under 32K multiply-adds)
-  // stays on one thread, since one thread streams the weights at about half the machine's memory speed
-  if (blocks * 16 * M * K < (1 << 15)) body(0, groups);
+  if (brgemm::one_thread(blocks, M, K)) body(0, groups);
   else torch::stable::parallel_for(0, groups, 1, body);
 #endif
   return out;

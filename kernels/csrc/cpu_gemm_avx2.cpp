@@ -30,6 +30,12 @@ constexpr int64_t KC = 256;               // inputs per weight panel: 256 x 16 f
 constexpr int64_t MC = 128;               // rows per chunk: their KC-wide slice of x stays in L2
 constexpr int64_t kManyRows = 24;         // from here the panel path wins (measured crossover 16-24 rows)
 
+// 16 packed bf16 (8 outputs x (even k, odd k)) -> the 8 outputs' even-k and odd-k weights as floats
+BR_AVX2_TARGET inline __m256 even_half(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+BR_AVX2_TARGET inline __m256 odd_half(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // 8 floats -> bfloat16 bits in the low half of each 32-bit lane: round to nearest even, NaN -> 0x7fc0
 BR_AVX2_TARGET inline __m256i round_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
@@ -67,15 +73,13 @@ BR_AVX2_TARGET inline void stream_tile(const float* __restrict__ x, int64_t xs, 
 #pragma GCC unroll 4
     for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
   const uint16_t* w = wp + b * KP * 32;
-  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t p = 0; p < KP; ++p) {
     // one stream a thread: the hardware prefetcher alone keeps too few lines in flight to reach memory speed
     // (Zen 1, two threads: 11-13 GB/s without this, 15-17 with it)
     _mm_prefetch(reinterpret_cast<const char*>(w + p * 32 + kPrefetchAhead), _MM_HINT_T0);
     const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));       // outputs 0..7
     const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));  // outputs 8..15
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, odd_mask));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, odd_mask));
+    const __m256 e0 = even_half(v0), o0 = odd_half(v0), e1 = even_half(v1), o1 = odd_half(v1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 be = _mm256_broadcast_ss(x + r * xs + p), bo = _mm256_broadcast_ss(x + r * xs + KP + p);
@@ -135,15 +139,14 @@ BR_AVX2_TARGET void stream_blocks(const float* x, int64_t M, const uint16_t* wp,
 BR_AVX2_TARGET inline void widen_panel(const uint16_t* wp, int64_t KP, int64_t b, int64_t k0, int64_t kc,
                                        float* __restrict__ panel) {
   const uint16_t* w = wp + b * KP * 32 + (k0 / 2) * 32;
-  const __m256i odd_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t p = 0; p < kc / 2; ++p) {
     const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
     const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
     float* d = panel + p * 32;
-    _mm256_store_ps(d, _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)));          // input 2p, outputs 0..7
-    _mm256_store_ps(d + 8, _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)));      // input 2p, outputs 8..15
-    _mm256_store_ps(d + 16, _mm256_castsi256_ps(_mm256_and_si256(v0, odd_mask)));  // input 2p + 1
-    _mm256_store_ps(d + 24, _mm256_castsi256_ps(_mm256_and_si256(v1, odd_mask)));
+    _mm256_store_ps(d, even_half(v0));       // input 2p, outputs 0..7
+    _mm256_store_ps(d + 8, even_half(v1));   // input 2p, outputs 8..15
+    _mm256_store_ps(d + 16, odd_half(v0));   // input 2p + 1
+    _mm256_store_ps(d + 24, odd_half(v1));
   }
 }
 
@@ -221,13 +224,10 @@ void avx2_linear(const uint16_t* x, int64_t xs, int64_t M, int64_t K, const uint
                  uint16_t* out, int64_t os, int64_t n) {
   const int64_t KP = K / 2;
   std::vector<float> xf(static_cast<size_t>(M * K));
-  // threads get contiguous runs of blocks; only a product of a few microseconds (under 32K multiply-adds)
-  // stays on one thread, since one thread streams the weights at about half the machine's memory speed
-  const bool one_thread = blocks * 16 * M * K < (1 << 15);
   if (M < kManyRows) {
     widen_split(x, xs, M, KP, xf.data());
     auto body = [&](int64_t b0, int64_t b1) { stream_blocks(xf.data(), M, wp, KP, out, os, n, b0, b1); };
-    if (one_thread) body(0, blocks);
+    if (one_thread(blocks, M, K)) body(0, blocks);
     else torch::stable::parallel_for(0, blocks, 1, body);
     return;
   }
