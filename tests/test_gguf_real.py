@@ -38,13 +38,14 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    """(chat prompt ids, transformers' greedy continuations), transformers loading the GGUF file itself."""
+def oracle(smollm2_hf_tokenizer):
+    """(chat prompt ids, transformers' greedy continuations), transformers loading the GGUF file itself
+    (its tokenizer: conftest's smollm2_hf_tokenizer, loaded once for this file and test_gguf_tokenizer.py)."""
     import transformers as tf
     folder, name = os.path.split(PATH)
+    tok = smollm2_hf_tokenizer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
         hf = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                             return_dict=True)["input_ids"]) for q in QUESTIONS]

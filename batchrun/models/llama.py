@@ -149,7 +149,12 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, max_positions: int, device: Optional[torch.device] = None):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # Under torch.device("meta") (the runner: to_empty, then the checkpoint's weights) the embedding's random
+        # init is never seen, and normal_ on a meta tensor imports torch._dynamo (~3 s of every engine start):
+        # hand nn.Embedding its (uninitialised, meta) weight instead, as it would have allocated it.
+        on_meta = torch.empty(0).is_meta                # the default device (a torch.device context)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=torch.empty(
+            args.vocab_size, args.hidden_size) if on_meta else None)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.tie_word_embeddings = args.tie_word_embeddings
@@ -159,6 +164,13 @@ class LlamaModel(nn.Module):
         # not a buffer: the weights may be allocated on "meta" and materialised by to_empty(), which would
         # leave a buffer uninitialised.
         self.cos_sin = cos_sin_cache(args.head_dim, args.rope, max_positions, device=device)
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """nn.Module.to_empty: uninitialised storage of each tensor's shape, strides and dtype on `device`. A meta
+        tensor's is allocated with empty_strided, as empty_like would, but without the meta dispatch of
+        empty_like, whose first use imports sympy (~0.6 s of every engine start)."""
+        return self._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                           if t.is_meta else torch.empty_like(t, device=device), recurse=recurse)
 
     def shard_range(self, name: str, shard: int) -> tuple[int, int]:
         """(start, length) of shard `shard` along dim 0 of a fused parameter."""
