@@ -43,12 +43,8 @@ def open_reader(file: str):
         st = os.stat(file)
     except OSError as e:
         raise ModelError(f"{file}: {_one_line(e)}") from e
-    return _reader(file, st.st_size, st.st_mtime_ns)
-
-
-def _reader(file: str, size: int, mtime_ns: int):
     try:
-        return cached_reader(file, size, mtime_ns)
+        return cached_reader(file, st.st_size, st.st_mtime_ns)
     except Exception as e:  # the reader raises ValueError, KeyError, IndexError, OSError... on bad bytes
         raise ModelError(f"{file}: not a readable GGUF file, truncated or corrupt ({_one_line(e)})") from e
 
