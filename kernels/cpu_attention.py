@@ -39,9 +39,10 @@ NAME = "batchrun_cpu_attention"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "cpu_attention.cpp"
 # one library: the attention op, the layer's elementwise ops (cpu_layer_ops.py), the bf16 projection
-# (cpu_gemm.py), the whole layer composed of them (cpu_decoder_layer.py) and their shared headers
+# (cpu_gemm.py), the whole layer composed of them (cpu_decoder_layer.py), greedy argmax (cpu_argmax.py)
+# and their shared headers
 EXTRA_SOURCES = [CSRC / "cpu_layer_ops.cpp", CSRC / "cpu_gemm.cpp", CSRC / "cpu_gemm_avx2.cpp",
-                 CSRC / "cpu_decoder_layer.cpp"]
+                 CSRC / "cpu_decoder_layer.cpp", CSRC / "cpu_argmax.cpp"]
 HEADERS = [CSRC / "vec.h", CSRC / "ops.h", CSRC / "cpu_gemm_avx2.h"]
 # -O2: the hot loops use explicit vector types, so -O3 buys nothing here but triples the build time.
 # No -march: the source compiles its kernel for several ISAs and picks one at run time. Threads come from

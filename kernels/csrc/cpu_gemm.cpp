@@ -8,7 +8,7 @@
 // float accumulators, so a tile of MR rows x NB blocks of 16 outputs keeps MR x NB accumulators in registers
 // and reads each weight vector once for all MR rows. AVX2 + FMA (machines without native bf16 arithmetic,
 // where torch's bf16 GEMM converts everything and runs several times slower than float32): the kernels of
-// cpu_gemm_avx2.cpp. Threads split the output blocks: at one row (a decode step at batch 1) every weight
+// cpu_gemm_avx2.cpp. Threads claim runs of output blocks: at one row (a decode step at batch 1) every weight
 // byte is read once, in a few sequential streams per thread, at memory speed; at many rows a thread's blocks
 // stay in L2 while it walks the row tiles. Float accumulation (products of two bfloat16 are exact in float),
 // one rounding to bfloat16 at the end: only the order of the sums differs from torch's F.linear, the reference.
@@ -153,7 +153,7 @@ Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) {
   }
   auto body = [&](int64_t g0, int64_t g1) { run_groups(xp, xs, M, w, KP, blocks, o, os, n, g0, g1); };
   if (brgemm::one_thread(blocks, M, K)) body(0, groups);
-  else torch::stable::parallel_for(0, groups, 1, body);
+  else brgemm::parallel_runs(groups, body);
 #endif
   return out;
 }

@@ -4,7 +4,7 @@
 // A 32-bit lane of the packed layout is (even k, odd k) of one output: a shift and a mask make the two float
 // vectors of 8 outputs' weights. Two paths, by the number of rows:
 // - few rows (a decode step): bandwidth-bound. Each block of 16 outputs is one sequential stream, widened in
-//   registers and used once per row; threads take contiguous runs of blocks and prefetch ahead of the stream.
+//   registers and used once per row; threads claim runs of blocks and prefetch ahead of the stream.
 // - many rows (prefill, large decode batches): compute-bound. A thread widens a block's weights for KC
 //   inputs once into a float panel (16 KiB, L1) and runs a 4-row x 16-output register tile over a chunk of
 //   MC rows with it, so the widening is paid once per MC rows and the inner loop is two loads, four
@@ -228,13 +228,11 @@ void avx2_linear(const uint16_t* x, int64_t xs, int64_t M, int64_t K, const uint
     widen_split(x, xs, M, KP, xf.data());
     auto body = [&](int64_t b0, int64_t b1) { stream_blocks(xf.data(), M, wp, KP, out, os, n, b0, b1); };
     if (one_thread(blocks, M, K)) body(0, blocks);
-    else torch::stable::parallel_for(0, blocks, 1, body);
+    else parallel_runs(blocks, body);
     return;
   }
   torch::stable::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { widen_rows(x, xs, K, xf.data(), m0, m1); });
-  torch::stable::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    panel_blocks(xf.data(), M, K, wp, out, os, n, b0, b1);
-  });
+  parallel_runs(blocks, [&](int64_t b0, int64_t b1) { panel_blocks(xf.data(), M, K, wp, out, os, n, b0, b1); });
 }
 
 }  // namespace brgemm

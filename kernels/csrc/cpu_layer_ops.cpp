@@ -125,6 +125,18 @@ BR_INLINE void silu_row(const T* BR_RESTRICT g, const T* BR_RESTRICT u, T* BR_RE
   T* tag = nullptr;
   const F one = vsplat<V>(1.0f);
   int64_t i = 0;
+  // four vectors at a time: exp and the division are one long dependency chain per vector; four independent
+  // ones overlap (1.55x on Zen 1 at 64 rows; a 4V-wide vector type instead was 2x slower: GCC splits it badly)
+  for (; i + 4 * V <= I; i += 4 * V) {
+    F gv[4], e[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) gv[k] = vload_t<V>(g + i + k * V);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) e[k] = vexp<V>(-gv[k]);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k)
+      vstore_t<V>(out + i + k * V, vround<V>(gv[k] / (one + e[k]), tag) * vload_t<V>(u + i + k * V));
+  }
   for (; i + V <= I; i += V) {
     const F gv = vload_t<V>(g + i);
     vstore_t<V>(out + i, vround<V>(gv / (one + vexp<V>(-gv)), tag) * vload_t<V>(u + i));
