@@ -118,11 +118,12 @@ def _backend(spec, ray_address: Optional[str], as_json: bool):
         return JobRunner
     import functools
 
-    from batchrun.job.ray_runner import RayJobRunner, RayUnavailable, require_ray
+    from batchrun.job.ray_check import RayUnavailable, require_ray
     try:
         require_ray()
     except RayUnavailable as e:
         _fail(EXIT_BAD_JOB, f"{'--ray' if ray_address is not None else 'runtime.backend: ray'}: {e}", as_json)
+    from batchrun.job.ray_runner import RayJobRunner
     return functools.partial(RayJobRunner, address=ray_address or None)
 
 

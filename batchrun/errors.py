@@ -47,7 +47,7 @@ _KINDS = [
     ("batchrun.job.schema", "JobError", EXIT_BAD_JOB),
     ("batchrun.connectors.secrets", "MissingEnvVar", EXIT_BAD_JOB),   # a ${VAR} unset where it was expanded
     ("batchrun.connectors.base", "OutputError", EXIT_BAD_JOB),
-    ("batchrun.job.ray_runner", "RayUnavailable", EXIT_BAD_JOB),
+    ("batchrun.job.ray_check", "RayUnavailable", EXIT_BAD_JOB),
     ("yaml", "YAMLError", EXIT_BAD_JOB),
     ("batchrun.job.ledger", "FingerprintMismatch", EXIT_FINGERPRINT),
     ("batchrun.job.lock", "LockHeld", EXIT_LOCKED),

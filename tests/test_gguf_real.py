@@ -11,7 +11,7 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.models.smollm2 import SMOLLM2_PACKAGE, smollm2_gguf
-from conftest import hf_greedy
+from conftest import gguf_parsed_once, hf_greedy
 
 PATH = smollm2_gguf()
 pytestmark = pytest.mark.skipif(
@@ -44,7 +44,7 @@ def oracle(smollm2_hf_tokenizer):
     import transformers as tf
     folder, name = os.path.split(PATH)
     tok = smollm2_hf_tokenizer
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), gguf_parsed_once(PATH):     # the tokenizer's parse of the file, reused
         warnings.simplefilter("ignore")
         hf = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

@@ -7,11 +7,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from batchrun.connectors import Source
 from batchrun.job.schema import JobSpec
-from batchrun.models.loader import ModelInfo
+
+if TYPE_CHECKING:
+    from batchrun.models.loader import ModelInfo
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json")
@@ -29,9 +31,10 @@ def _quantization_fp(spec: JobSpec) -> dict[str, Any]:
     """Quantization (of the weights, of the KV cache) changes the outputs as dtype does; only when set, so
     unquantized manifests stay valid. The KV cache as its torch dtype: "fp8" and "fp8_e4m3" are one format."""
     e = spec.engine
-    from batchrun.kernels.kv_quant import KV_CACHE_DTYPES
-    kv = {} if e.kv_cache_dtype == "auto" else \
-        {"kv_cache_dtype": str(KV_CACHE_DTYPES[e.kv_cache_dtype]).removeprefix("torch.")}
+    kv = {}
+    if e.kv_cache_dtype != "auto":
+        from batchrun.kernels.kv_quant import KV_CACHE_DTYPES    # torch: only for a quantised KV cache
+        kv = {"kv_cache_dtype": str(KV_CACHE_DTYPES[e.kv_cache_dtype]).removeprefix("torch.")}
     if e.quantization is None:
         return kv
     return {"quantization": e.quantization, "quantize_lm_head": e.quantize_lm_head,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import pyarrow as pa
 
@@ -14,7 +14,9 @@ from batchrun.connectors import InputError, Source, Unit, open_source
 from batchrun.job.fingerprint import TOKENIZER_FILES, fingerprint_hash, job_fingerprint
 from batchrun.job.render import Rendered, render
 from batchrun.job.schema import JobError, JobSpec
-from batchrun.models.loader import ModelInfo, inspect_model
+
+if TYPE_CHECKING:       # models.loader imports torch: only once the input has been checked (make_plan)
+    from batchrun.models.loader import ModelInfo
 
 __all__ = ["JobPlan", "make_plan", "check_model_settings", "check_columns", "windows", "length_order",
            # importable from here as before the split
@@ -53,6 +55,7 @@ def make_plan(spec: JobSpec, load_tokenizer: bool = True, restart: bool = False,
     if spec.input.sql is None:
         source = open_source(spec.input.uri, spec.input.format, spec.input.storage_options)
         check_columns(spec, source)
+    from batchrun.models.loader import inspect_model
     try:
         model = inspect_model(spec.model.path)
     except ValueError as e:
@@ -82,7 +85,7 @@ def check_model_settings(spec: JobSpec, model: ModelInfo) -> None:
     """model.dtype and engine.max_model_len against the model, before any weight loads (and before the
     output is touched): a typo there fails as a bad job file, not at engine start."""
     try:
-        model.torch_dtype(spec.model.dtype)
+        model.dtype_name(spec.model.dtype)
     except ValueError as e:
         if spec.model.dtype == "auto":      # the model's own config names a dtype batchrun cannot load
             raise InputError(f"model.path: {model.path}: config dtype: {e}; set model.dtype") from None

@@ -16,15 +16,12 @@ from typing import Any
 from batchrun.connectors import Unit
 from batchrun.job.ledger import DONE_DIR
 from batchrun.job.plan import fingerprint_hash
+from batchrun.job.ray_check import RayUnavailable
 from batchrun.job.ray_replica import ReplicaWorker
 from batchrun.job.ray_stats import PROGRESS_INTERVAL_S, RayCounters, Replica
 
 POLL_S = 0.5
 READY_TIMEOUT_S = 600.0      # a restarting replica must be back (weights loaded) within this
-
-
-class RayUnavailable(RuntimeError):
-    """`--ray` / runtime.backend: ray without Ray installed, or no cluster at the given address."""
 
 
 def first_line(e: BaseException) -> str:

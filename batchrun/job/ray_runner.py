@@ -25,22 +25,12 @@ from typing import Any, Callable, Optional
 
 from batchrun.connectors import Unit
 from batchrun.job.plan import JobPlan, make_plan
-from batchrun.job.ray_driver import RayDriver, RayUnavailable
+from batchrun.job.ray_check import INSTALL_HINT, RayUnavailable, require_ray  # noqa: F401 (re-exported)
+from batchrun.job.ray_driver import RayDriver
 from batchrun.job.run import JobRunner
 from batchrun.job.spec import JobSpec
 
-INSTALL_HINT = "pip install 'batchrun[ray]'"
 __all__ = ["RayJobRunner", "RayUnavailable", "require_ray", "run_job_on_ray"]
-
-
-def require_ray():
-    """Import ray or raise RayUnavailable naming the extra to install."""
-    try:
-        import ray
-    except ImportError as e:
-        raise RayUnavailable(f"running on Ray needs the ray package, which is not installed ({e}); "
-                             f"install it with: {INSTALL_HINT}") from None
-    return ray
 
 
 class RayJobRunner(JobRunner):

@@ -80,6 +80,9 @@ class JobRunner:
         """Run the job under the output's lock; returns the summary. Raises LockHeld (another live run),
         FingerprintMismatch, Interrupted, InputError. The lock is taken before the ledger opens, so
         --restart can never reset the output under a live run."""
+        # torch before the run's handlers, as when planning imported it: a signal never lands inside its
+        # import (planning, and so `validate` and a submit refused there, no longer needs it)
+        import torch  # noqa: F401
         self.sink = ParquetSink(self.spec.output.uri, self.spec.output.storage_options)
         self.job_lock = JobLock(self.sink, self.spec.name, log=self.log)
         # handlers first: a signal while the lock is taken or the ledger opens stops the run cleanly

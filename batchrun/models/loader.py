@@ -9,15 +9,16 @@ import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from batchrun.models.args import SUPPORTED_ARCHITECTURES, ConfigError, ModelArgs  # noqa: F401 (re-exported)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
-          "float": torch.float32}
+if TYPE_CHECKING:    # torch loads with the weights: inspect_model (a plan, `validate`, a refused submit) needs none
+    import torch
+
+# model.dtype's names -> the torch dtype's
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
+          "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
 class ModelError(ValueError):
@@ -52,19 +53,26 @@ class ModelInfo:
         return self.args.head_dim
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        import torch
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
     def memory_bytes(self, dtype: torch.dtype) -> int:
         """Weights in memory once loaded: every parameter in `dtype` (GGUF tensors are dequantised)."""
+        import torch
         return self.num_params * torch.empty((), dtype=dtype).element_size()
 
-    def torch_dtype(self, dtype: str = "auto") -> torch.dtype:
+    def dtype_name(self, dtype: str = "auto") -> str:
+        """model.dtype ("auto": the config's) as a torch dtype's name; ModelError if it names none."""
         if dtype == "auto":
             dtype = self.config.get("dtype") or self.config.get("torch_dtype") or "float32"
         if dtype not in DTYPES:
             raise ModelError(f"dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
         return DTYPES[dtype]
+
+    def torch_dtype(self, dtype: str = "auto") -> torch.dtype:
+        import torch
+        return getattr(torch, self.dtype_name(dtype))
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -81,12 +89,12 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 @contextmanager
-def _safetensors(file: str):
+def _safetensors(file: str, framework: str = "pt"):
     """safe_open(file), its failures (a header cut short, offsets past the end of the file) a ModelError
-    naming the file, and the tensor when the failure is in one."""
+    naming the file, and the tensor when the failure is in one. framework "numpy": headers only, no torch."""
     from safetensors import SafetensorError, safe_open
     try:
-        with safe_open(file, framework="pt") as sf:
+        with safe_open(file, framework=framework) as sf:
             yield sf
     except SafetensorError as e:
         raise ModelError(f"{file}: not a readable safetensors file, truncated or corrupt ({e})") from e
@@ -126,7 +134,7 @@ def _scan_safetensors(files: list[str]) -> tuple[int, dict[str, tuple[int, int]]
     """(parameter count, on-disk dtype -> (tensors, bytes)) from the safetensors headers alone."""
     total, types = 0, {}
     for f in files:
-        with _safetensors(f) as sf:  # reads the header only
+        with _safetensors(f, "numpy") as sf:  # reads the header only
             for name in sf.keys():
                 sl = sf.get_slice(name)
                 n = 1

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:    # rope_params (models/args.py, a plan's config check) needs no torch
+    import torch
 
 
 class RopeError(ValueError):
@@ -38,6 +39,7 @@ def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def inv_frequencies(head_dim: int, params: dict[str, Any], device=None) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies after scaling (params from rope_params)."""
+    import torch
     base = float(params["rope_theta"])
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (base ** exponents)
@@ -61,6 +63,7 @@ def inv_frequencies(head_dim: int, params: dict[str, Any], device=None) -> torch
 def cos_sin_cache(head_dim: int, params: dict[str, Any], max_positions: int, device=None) -> torch.Tensor:
     """[max_positions, head_dim] float32 on `device` (default: torch's current one): cos in the first half,
     sin in the second."""
+    import torch
     inv_freq = inv_frequencies(head_dim, params, device)
     t = torch.arange(max_positions, dtype=torch.float32, device=device)
     freqs = torch.outer(t, inv_freq)              # [P, D/2]
