@@ -75,13 +75,19 @@ def attention_case(label: str, qlens: list[int], ctxs: list[int]) -> None:
         seqs.append((q[qsl[i]:qsl[i + 1]].transpose(0, 1)[None], rep(k), rep(v), mask))
     ref = best_of(lambda: [F.scaled_dot_product_attention(a, b, c, attn_mask=m) for a, b, c, m in seqs], 1, 3)
     kv_bytes = sum(ctxs) * KV_HEADS * HEAD_DIM * 2 * 2
-    print(f"{label:22s} {ours * 1e3:8.3f} ms {kv_bytes / ours / 1e9:6.1f} GB/s   torch SDPA {ref * 1e3:8.3f} ms")
+    line = f"{label:22s} {ours * 1e3:8.3f} ms {kv_bytes / ours / 1e9:6.1f} GB/s   torch SDPA {ref * 1e3:8.3f} ms"
+    if cpu_attention.attention_isa() == "avx512_bf16":   # the generic loops beside the VDPBF16PS path
+        gen = best_of(lambda: [cpu_attention.paged_attention(q, k, v, qsl, lens, tables, HEAD_DIM ** -0.5,
+                                                             isa="avx512") for k, v in caches], LAYERS)
+        line += f"   generic loops {gen * 1e3:8.3f} ms ({gen / ours:.2f}x)"
+    print(line)
 
 
 def main() -> None:
     if not cpu_gemm.supported():
         raise SystemExit("batchrun's CPU kernels are not available on this machine")
-    print(f"threads {torch.get_num_threads()}, projection ISA {cpu_gemm.isa()}; {LAYERS} copies per case\n")
+    print(f"threads {torch.get_num_threads()}, projection ISA {cpu_gemm.isa()}, attention ISA "
+          f"{cpu_attention.attention_isa()}; {LAYERS} copies per case\n")
     projections()
     print(f"\npaged attention per layer (9 query / 3 KV heads of 64, bf16)")
     attention_case("decode B=1 ctx 160", [1], [160])

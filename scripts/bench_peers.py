@@ -39,7 +39,8 @@ How each number is computed (all peers: 2 threads, each peer in its own subproce
   peak RSS          VmHWM of the peer's process (read from /proc by the peer and polled by the parent),
                     interpreter and libraries included.
   roofline          bytes one decode step must read (weights + KV of every sequence, from batchrun's
-                    memory ledger) / memory bandwidth measured in this run (torch sum over 512 MiB,
+                    memory ledger; an untied embedding table is not read, but a row per token)
+                    / memory bandwidth measured in this run (torch sum over 512 MiB,
                     2 threads), as a share of the measured decode step time.
 The machine may be shared: absolute numbers are noisy, the ratios within one run are what count.
 """

@@ -213,6 +213,9 @@ def test_roofline_and_overhead(metrics):
     assert rl["llamacpp_pct_of_roofline"] == pytest.approx(2 * rl["pct_of_roofline"])
     assert rl["b1_step_s"] == pytest.approx(1.0 / 64)
     assert metrics.roofline_a(res, {}) is None
+    # the ledger's decode_weights_bytes (no untied embedding table) is what a step reads
+    res["peers"]["batchrun"]["ledger"]["decode_weights_bytes"] = 600
+    assert metrics.roofline_a(res, {"read_gbs": 1e-6})["step_bytes"] == 600 + 10 * 64 * 160
     assert metrics.overhead_stats({"steps": 3, "host_overhead_ms_per_step": 1.5, "host_s": 2.0, "forward_s": 1.0,
                                    "swap_host_blocks": 1, "flag_overhead": True}) == {
         "host_overhead_ms_per_step": 1.5, "host_s": 2.0, "forward_s": 1.0, "steps": 3}

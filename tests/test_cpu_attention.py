@@ -122,9 +122,11 @@ def test_float16():
     torch.testing.assert_close(out.double(), oracle(q, kc, vc, qsl, ctxs, tables, 0.125, None), **TOL[torch.float16])
 
 
-@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_lower_instruction_sets_agree(isa):
-    """Every build of the kernel (AVX-512, AVX2, baseline) gives the same answer up to float rounding."""
+    """Every build of the kernel (AVX-512 with its bfloat16 path, AVX-512, AVX2, baseline) gives the same answer
+    up to float rounding (isa caps at the machine's: on a CPU without a level, that case compares a path
+    with itself)."""
     qlens, ctxs = [1, 1, 3, 8, 70], [5, 1000, 30, 2000, 300]
     for dtype, heads in [(torch.float32, (9, 3, 64)), (torch.bfloat16, (8, 1, 128)), (torch.float32, (6, 3, 80))]:
         q, kc, vc, qsl, bt, _ = make_batch(11, qlens, ctxs, *heads, dtype)
@@ -134,11 +136,13 @@ def test_lower_instruction_sets_agree(isa):
                                    rtol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_long_context_partitions_across_threads():
-    """Few sequences with long contexts and several threads: contexts are split and the parts merged."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_context_partitions_across_threads(dtype):
+    """Few sequences with long contexts and several threads: contexts are split and the parts merged (bf16:
+    also on the VDPBF16PS path where the CPU has it, whose partial results go through the same merge)."""
     old = torch.get_num_threads()
     qlens, ctxs = [1, 3], [2000, 1700]
-    q, kc, vc, qsl, bt, tables = make_batch(3, qlens, ctxs, 8, 1, 64, torch.float32)
+    q, kc, vc, qsl, bt, tables = make_batch(3, qlens, ctxs, 8, 1, 64, dtype)
     ref = oracle(q, kc, vc, qsl, ctxs, tables, 0.2, None)
     try:
         for n in (1, 4):
@@ -146,7 +150,7 @@ def test_long_context_partitions_across_threads():
             for window in (None, 1100):
                 out = run(q, kc, vc, qsl, ctxs, bt, 0.2, window)
                 want = ref if window is None else oracle(q, kc, vc, qsl, ctxs, tables, 0.2, window)
-                torch.testing.assert_close(out.double(), want, **TOL[torch.float32])
+                torch.testing.assert_close(out.double(), want, **TOL[dtype])
     finally:
         torch.set_num_threads(old)
 
@@ -231,3 +235,4 @@ def test_build_directory_is_keyed_and_portable(monkeypatch, tmp_path):
     assert d.parent == tmp_path and d.name.startswith(ca.NAME + "-")
     assert not any("march" in f or "mcpu" in f for f in ca._CFLAGS)     # a moved cache stays valid
     assert ca.cpu_isa() in ("avx512", "avx2", "baseline")
+    assert ca.attention_isa() in (ca.cpu_isa(), "avx512_bf16")

@@ -34,6 +34,10 @@ def engine_bytes(path, dtype, **kw):
                 real += x.numel() * x.element_size()
     led = llm.engine.memory_ledger
     assert led["weights_bytes"] == real
+    # a decode step reads every weight but the embedding table, unless the logits come from that table
+    emb = model.embed_tokens.weight
+    logits_from_table = model.tie_word_embeddings and not hasattr(getattr(model, "logits_weight", None), "tensors")
+    assert led["decode_weights_bytes"] == real - (0 if logits_from_table else emb.numel() * emb.element_size())
     return led
 
 

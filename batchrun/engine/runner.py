@@ -99,6 +99,7 @@ class ModelRunner:
                                              config.quantize_lm_head, self.dtype)
         self.quantized_bytes = quant_bytes
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + quant_bytes
+        self.decode_weights_bytes = model.decode_read_bytes(self.weights_bytes)
         self.backend = self._select_backend()
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
@@ -173,6 +174,7 @@ class ModelRunner:
         return {
             "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
             "weights_bytes": self.weights_bytes,
+            "decode_weights_bytes": self.decode_weights_bytes,
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "block_size": self.block_size, "num_blocks": self.num_blocks, "kv_tokens": kv_tokens,

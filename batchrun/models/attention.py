@@ -75,7 +75,7 @@ class TorchAttentionBackend:
             if cpu_attention.load():
                 ops = torch.ops.batchrun_cpu
                 self._ops = (ops.paged_attention.default, ops.store_kv.default)
-                log.info("CPU attention: the compiled op (%s)", cpu_attention.cpu_isa())
+                log.info("CPU attention: the compiled op (%s)", cpu_attention.attention_isa())
             else:
                 self._ops = False
         return self._ops or None

@@ -209,6 +209,14 @@ class LlamaModel(nn.Module):
         self._dense_fns = TORCH_DENSE._replace(pre=torch.compile(pre_attention, dynamic=True, **compile_kwargs),
                                                post=torch.compile(post_attention, dynamic=True, **compile_kwargs))
 
+    def decode_read_bytes(self, weights_bytes: int) -> int:
+        """Of weights_bytes (every weight the model holds), the bytes one decode step reads: all but the
+        embedding table, of which a lookup reads a row per token, unless the logits are computed from it (tied
+        embeddings; a packed copy is as large). A quantized logits copy is counted in weights_bytes apart."""
+        emb = self.embed_tokens.weight
+        tied_read = self.tie_word_embeddings and not hasattr(getattr(self, "logits_weight", None), "tensors")
+        return weights_bytes if tied_read else weights_bytes - emb.numel() * emb.element_size()
+
     def compute_logits(self, h: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         # h: [S, H] -> [S, V] float32 (the model's dtype with upcast=False: enough for an argmax)
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

@@ -16,7 +16,8 @@
 // K/V read, and K/V rows are converted to float a tile of 16 keys at a time, the next tile prefetched into L2.
 // A group whose key span is long while the batch has too few groups to keep the threads busy is split into
 // partitions whose partial results are merged afterwards (flash-decoding). Threads (torch's pool) take work
-// items longest first from a shared counter. The hot loops use GCC/Clang vector extensions (16 floats),
+// items longest first from a shared counter. On CPUs with AVX-512 BF16, bfloat16 items of up to 8 query rows
+// (decode, verification) with head_dim 64 or 128 take cpu_attention_bf16.h's path instead (isa level 3). The hot loops use GCC/Clang vector extensions (16 floats),
 // and the kernel is compiled for AVX-512, AVX2+FMA and the baseline ISA through function target attributes
 // and picked at run time, so one build is portable across x86-64 machines (no -march=native).
 //
@@ -85,6 +86,7 @@ struct Params {
   int max_rows;
   float* part_stats;  // [slots, max_rows, 2]: running max, sum
   float* part_acc;    // [slots, max_rows, D]
+  bool bf16_decode;   // bfloat16 items of at most 8 query rows take cpu_attention_bf16.h's path
 };
 
 template <typename T>
@@ -380,11 +382,20 @@ BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) 
   }
 }
 
+}  // namespace
+
+#include "cpu_attention_bf16.h"
+
+namespace {
+
 template <typename T, typename KT, int DT, int V>
 BR_INLINE void work(const Params& P, std::atomic<int>& next, float* ws) {
   for (int i = next.fetch_add(1, std::memory_order_relaxed); i < P.nitems;
-       i = next.fetch_add(1, std::memory_order_relaxed))
+       i = next.fetch_add(1, std::memory_order_relaxed)) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> && DT > 0 && V == 16)
+      if (P.bf16_decode && decode_bf16<DT>(P, P.items[i], ws)) continue;
     run_item<T, KT, DT, V>(P, P.items[i], ws);
+  }
 }
 
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
@@ -439,7 +450,7 @@ work_avx512(const Params& P, Dtype dt, KvType kv, std::atomic<int>& next, float*
 
 void run_work(const Params& P, Dtype dt, KvType kv, int isa, std::atomic<int>& next, float* ws) {
 #ifdef BR_X86_DISPATCH
-  if (isa == 2) return work_avx512(P, dt, kv, next, ws);
+  if (isa >= 2) return work_avx512(P, dt, kv, next, ws);
   if (isa == 1) return work_avx2(P, dt, kv, next, ws);
 #endif
   work_base(P, dt, kv, next, ws);
@@ -471,6 +482,8 @@ void merge_group(const Params& P, const Group& g) {
     store_row(o.data(), L > 0.0f ? P.v_scale / L : 0.0f, op, D);
   }
 }
+
+int64_t attention_isa() { return cpu_has_avx512_bf16() ? 3 : best_isa(); }  // paged_attention's best level
 
 #define BR_CHECK(cond, ...) STD_TORCH_CHECK(cond, "paged_attention: ", __VA_ARGS__)
 
@@ -621,8 +634,9 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   P.part_acc = slots ? part_acc.data() : nullptr;
 
   const Dtype dt = st == ScalarType::Float ? F32 : st == ScalarType::BFloat16 ? BF16 : F16;
-  const int64_t best = best_isa();
+  const int64_t best = attention_isa();  // 3: AVX-512 with the bfloat16 path
   const int use_isa = static_cast<int>(isa < 0 ? best : std::min(isa, best));
+  P.bf16_decode = use_isa == 3;
   const size_t ws_floats = scratch_floats(max_rows, static_cast<int>(D));
   std::atomic<int> next{0};
   const int64_t nworkers = std::min<int64_t>(nthreads, P.nitems);
@@ -764,6 +778,7 @@ STABLE_TORCH_LIBRARY(batchrun_cpu, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("cpu_isa() -> int");
+  m.def("attention_isa() -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) {
@@ -771,4 +786,7 @@ STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) {
   m.impl("store_kv", TORCH_BOX(&store_kv));
 }
 
-STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CompositeExplicitAutograd, m) { m.impl("cpu_isa", TORCH_BOX(&cpu_isa)); }
+STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CompositeExplicitAutograd, m) {
+  m.impl("cpu_isa", TORCH_BOX(&cpu_isa));
+  m.impl("attention_isa", TORCH_BOX(&attention_isa));
+}

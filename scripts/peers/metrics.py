@@ -145,7 +145,9 @@ def roofline_a(res: dict, bw: dict, at: int = 64) -> Optional[dict]:
     # KV read per decode step: each sequence attends over npp + (its step index); the mean over the
     # window's steps is npp + ntg/2 tokens per sequence
     ctx = row["mean_decode_batch"] * (res["npp"] + res["ntg"] / 2)
-    r = roofline(led["weights_bytes"], led["kv_bytes_per_token"], ctx, bw["read_gbs"] * 1e9,
+    # the weights one step reads: not the embedding table (a row per token), unless tied to the logits
+    wbytes = led.get("decode_weights_bytes", led["weights_bytes"])
+    r = roofline(wbytes, led["kv_bytes_per_token"], ctx, bw["read_gbs"] * 1e9,
                  row["decode_s"] / row["decode_steps"])
     r["batch"] = at
     lc = (res["peers"].get("llamacpp_bf16") or {}).get("by_batch", {}).get(str(at))
@@ -154,6 +156,6 @@ def roofline_a(res: dict, bw: dict, at: int = 64) -> Optional[dict]:
     one = (br.get("by_batch") or {}).get("1")
     if one and one.get("decode_steps"):
         r["b1_step_s"] = one["decode_s"] / one["decode_steps"]
-        r["b1_floor_s"] = (led["weights_bytes"] + led["kv_bytes_per_token"] * (res["npp"] + res["ntg"] / 2)) \
+        r["b1_floor_s"] = (wbytes + led["kv_bytes_per_token"] * (res["npp"] + res["ntg"] / 2)) \
             / (bw["read_gbs"] * 1e9)
     return r

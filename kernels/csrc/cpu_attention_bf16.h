@@ -1,0 +1,267 @@
+// Decode and short-query paged attention for bfloat16 q and caches on AVX-512 BF16 CPUs (included by
+// cpu_attention.cpp, whose Params/Group/Item it reads). One work item: up to 8 query rows (a sequence's query
+// tokens x the query heads of one KV head) against a span of keys, 16 keys per tile.
+//
+// Scores: the tile's K rows are transposed in registers as 32-bit bfloat16 pairs (16 x 16 blocks), so that
+// each vector holds one pair of all 16 keys; VDPBF16PS then adds q's pair (broadcast) times it into 16 float
+// lanes, one key per lane: one instruction per pair and row, no horizontal sums (products of two bfloat16
+// are exact in float, as in the reference's float einsum). The softmax runs on those 16 lanes (one vector
+// exp per row and tile; the running sum kept per lane, added up once at the end), and p @ V accumulates in
+// float with V widened to float, as the generic path does. The generic loops of cpu_attention.cpp spent
+// ~0.5 us per 16-key tile at 4 query rows (Zen 4) converting tiles into scratch and summing lanes.
+#pragma once
+
+#ifdef BR_X86_DISPATCH
+#include <immintrin.h>
+
+#define BR_BF16_ATTN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+namespace {
+
+constexpr int BF16_MAX_ROWS = 8;  // query rows per item this path takes; more go to the generic loops
+
+inline bool cpu_has_avx512_bf16() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return best_isa() == 2 && __builtin_cpu_supports("avx512bf16");
+  }();
+  return yes;
+}
+
+alignas(64) static const uint16_t kZeroRow[128] = {};  // the rows of a short tile past its last key (D <= 128)
+
+// in[j] lane l -> out[l] lane j, 32-bit elements
+BR_BF16_ATTN BR_INLINE void transpose16(const __m512i* in, __m512i* out) {
+  __m512i t[16], u[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < 16; g += 4) {  // u[g + c], 128-bit lane L: column 4L + c of rows g .. g + 3
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    out[c] = _mm512_shuffle_i32x4(v, v2, 0x88);
+    out[4 + c] = _mm512_shuffle_i32x4(w, w2, 0x88);
+    out[8 + c] = _mm512_shuffle_i32x4(v, v2, 0xdd);
+    out[12 + c] = _mm512_shuffle_i32x4(w, w2, 0xdd);
+  }
+}
+
+BR_BF16_ATTN BR_INLINE __m512 widen_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// acc rows [r0, r0 + NR) x float vectors [c0, c0 + CV) = acc * alpha + p @ V over the tile's n keys
+template <int NR, int CV>
+BR_BF16_ATTN BR_INLINE void pv_tile(float* acc, int DT, int r0, int c0, const float* alpha, const float* pbuf,
+                                    const uint16_t* const* vrow, int n, const uint16_t* const* vnext, int nn,
+                                    int row_bytes) {
+  __m512 a[NR][CV];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CV; ++c)
+      a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * DT + (c0 + c) * 16), _mm512_set1_ps(alpha[r0 + r]));
+  for (int j = 0; j < n; ++j) {
+    if (j < nn && r0 == 0 && c0 == 0)  // the next tile's V row, one row per key read here
+      for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(vnext[j]) + b, 0, 1);
+    __m512 v[CV];
+#pragma GCC unroll 8
+    for (int c = 0; c < CV; ++c) v[c] = widen_bf16(vrow[j] + (c0 + c) * 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const __m512 p = _mm512_set1_ps(pbuf[(r0 + r) * 16 + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < CV; ++c) a[r][c] = _mm512_fmadd_ps(p, v[c], a[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CV; ++c) _mm512_storeu_ps(acc + (r0 + r) * DT + (c0 + c) * 16, a[r][c]);
+}
+
+// One work item (R query rows, head_dim DT in {64, 128}); ws: scratch of at least R x (DT + 16) floats.
+template <int DT, int R>
+BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, const Item& it, float* ws) {
+  constexpr int NB = DT / 32;    // 16 x 16 blocks of 32-bit pairs per K row
+  constexpr int NVC = DT / 16;   // float vectors per row
+  constexpr int A = R <= 4 ? 2 : 1;  // score accumulators per row: two chains hide VDPBF16PS's latency
+  const Group& g = P.groups[it.group];
+  const int G = P.G, b = g.b, h = g.h;
+  const int qbeg = P.qsl[b], qlen = P.qsl[b + 1] - qbeg, ctx = P.lens[b];
+  const uint16_t* q = static_cast<const uint16_t*>(P.q);
+  const uint32_t* qp[R];  // each row's q as bfloat16 pairs
+  int pos[R];
+  int min_pos = 1 << 30, max_pos = -1;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int t = g.t0 + r / G, hq = h * G + r % G;
+    qp[r] = reinterpret_cast<const uint32_t*>(q + static_cast<int64_t>(qbeg + t) * P.qs0 + static_cast<int64_t>(hq) * P.qs1);
+    pos[r] = ctx - qlen + t;
+    min_pos = std::min(min_pos, pos[r]);
+    max_pos = std::max(max_pos, pos[r]);
+  }
+  float* acc = ws;               // [R][DT]
+  float* pbuf = acc + R * DT;    // [R][16] the tile's probabilities
+  std::fill(acc, acc + R * DT, 0.0f);
+  float m[R], alpha[R];
+  __m512 lsum[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    m[r] = NEG_INF;
+    lsum[r] = _mm512_setzero_ps();
+  }
+
+  const uint16_t* kc = static_cast<const uint16_t*>(P.k);
+  const uint16_t* vc = static_cast<const uint16_t*>(P.v);
+  const int32_t* table = P.bt + static_cast<int64_t>(b) * P.bts0;
+  const int bs = P.bs, window = P.window;
+  const int64_t koff = static_cast<int64_t>(h) * P.ks2, voff = static_cast<int64_t>(h) * P.vs2;
+  const uint16_t* kp[2][16];
+  const uint16_t* vp[2][16];
+  auto locate = [&](int k0, int n, const uint16_t** kr, const uint16_t** vr) {
+    int bi = k0 / bs, off = k0 - bi * bs;
+    int64_t blk = table[bi];
+    for (int j = 0; j < 16; ++j, ++off) {
+      if (j >= n) {
+        kr[j] = vr[j] = kZeroRow;
+        continue;
+      }
+      if (off == bs) {
+        blk = table[++bi];
+        off = 0;
+      }
+      kr[j] = kc + blk * P.ks0 + off * P.ks1 + koff;
+      vr[j] = vc + blk * P.vs0 + off * P.vs1 + voff;
+    }
+  };
+  const int row_bytes = DT * 2;
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 scale = _mm512_set1_ps(P.scale), ninf = _mm512_set1_ps(NEG_INF);
+  if (it.k0 < it.k1) locate(it.k0, std::min(16, it.k1 - it.k0), kp[0], vp[0]);
+  int cur = 0;
+  for (int k0 = it.k0; k0 < it.k1; k0 += 16, cur ^= 1) {
+    const int n = std::min(16, it.k1 - k0);
+    const int nn = k0 + 16 < it.k1 ? std::min(16, it.k1 - k0 - 16) : 0;
+    if (nn > 0) locate(k0 + 16, nn, kp[cur ^ 1], vp[cur ^ 1]);
+
+    // scores: lane j of s[r] is q_r . k_j
+    __m512 s[R][A];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int a = 0; a < A; ++a) s[r][a] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int blk = 0; blk < NB; ++blk) {
+      __m512i rows[16], cols[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        if (blk == 0 && j < nn)  // the next tile's K row
+          for (int c = 0; c < row_bytes; c += 64) __builtin_prefetch(reinterpret_cast<const char*>(kp[cur ^ 1][j]) + c, 0, 1);
+        rows[j] = _mm512_loadu_si512(kp[cur][j] + blk * 32);
+      }
+      transpose16(rows, cols);
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          s[r][p % A] = _mm512_dpbf16_ps(s[r][p % A], (__m512bh)cols[p],
+                                         (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r][blk * 16 + p])));
+    }
+
+    // online softmax over the tile's 16 lanes; masked lanes (past the span, causal, window) are -inf
+    const bool need_mask = n < 16 || k0 + n - 1 > min_pos || k0 <= max_pos - window;
+    const __m512i kpos = _mm512_add_epi32(iota, _mm512_set1_epi32(k0));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512 x = s[r][0];
+      if constexpr (A == 2) x = _mm512_add_ps(x, s[r][1]);
+      x = _mm512_mul_ps(x, scale);
+      if (need_mask) {
+        __mmask16 ok = _mm512_cmplt_epi32_mask(iota, _mm512_set1_epi32(n));
+        ok &= _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(pos[r]));
+        ok &= _mm512_cmpgt_epi32_mask(kpos, _mm512_set1_epi32(pos[r] - window));
+        x = _mm512_mask_mov_ps(ninf, ok, x);
+      }
+      const float mx = std::max(m[r], _mm512_reduce_max_ps(x));
+      const float ms = mx == NEG_INF ? 0.0f : mx;  // nothing visible yet: every weight is 0
+      const float al = std::exp(m[r] - ms);
+      const __m512 pr = (__m512)vexp_nonpos<16>((VT<16>::f)_mm512_sub_ps(x, _mm512_set1_ps(ms)));
+      lsum[r] = _mm512_fmadd_ps(lsum[r], _mm512_set1_ps(al), pr);
+      alpha[r] = al;
+      m[r] = mx;
+      _mm512_storeu_ps(pbuf + r * 16, pr);
+    }
+
+    // acc = acc * alpha + p @ V, at most 4 rows x 4 vectors in registers at a time
+    constexpr int NR0 = R < 4 ? R : 4, NR1 = R - NR0;
+#pragma GCC unroll 2
+    for (int c0 = 0; c0 < NVC; c0 += 4) {
+      pv_tile<NR0, 4>(acc, DT, 0, c0, alpha, pbuf, vp[cur], n, vp[cur ^ 1], nn, row_bytes);
+      if constexpr (NR1 > 0) pv_tile<NR1, 4>(acc, DT, NR0, c0, alpha, pbuf, vp[cur], n, vp[cur ^ 1], 0, row_bytes);
+    }
+  }
+
+  if (it.slot < 0) {
+    c10::BFloat16* out = static_cast<c10::BFloat16*>(P.out);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int t = g.t0 + r / G, hq = h * G + r % G;
+      c10::BFloat16* op = out + static_cast<int64_t>(qbeg + t) * P.os0 + static_cast<int64_t>(hq) * P.os1;
+      const float l = _mm512_reduce_add_ps(lsum[r]);
+      store_row(acc + r * DT, l > 0.0f ? P.v_scale / l : 0.0f, op, DT);
+    }
+  } else {
+    float* st = P.part_stats + static_cast<int64_t>(it.slot) * P.max_rows * 2;
+    float* pa = P.part_acc + static_cast<int64_t>(it.slot) * P.max_rows * DT;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      st[2 * r] = m[r];
+      st[2 * r + 1] = _mm512_reduce_add_ps(lsum[r]);
+      std::memcpy(pa + static_cast<int64_t>(r) * DT, acc + r * DT, sizeof(float) * DT);
+    }
+  }
+}
+
+template <int DT>
+bool decode_bf16_d(const Params& P, const Item& it, float* ws, int rows) {
+  switch (rows) {
+    case 1: decode_item_bf16<DT, 1>(P, it, ws); return true;
+    case 2: decode_item_bf16<DT, 2>(P, it, ws); return true;
+    case 3: decode_item_bf16<DT, 3>(P, it, ws); return true;
+    case 4: decode_item_bf16<DT, 4>(P, it, ws); return true;
+    case 5: decode_item_bf16<DT, 5>(P, it, ws); return true;
+    case 6: decode_item_bf16<DT, 6>(P, it, ws); return true;
+    case 7: decode_item_bf16<DT, 7>(P, it, ws); return true;
+    case 8: decode_item_bf16<DT, 8>(P, it, ws); return true;
+    default: return false;
+  }
+}
+
+// The item on this path when it has at most BF16_MAX_ROWS query rows (true), else false: the generic loops.
+template <int DT>
+bool decode_bf16(const Params& P, const Item& it, float* ws) {
+  const Group& g = P.groups[it.group];
+  return decode_bf16_d<DT>(P, it, ws, (g.t1 - g.t0) * P.G);
+}
+
+}  // namespace
+
+#else
+namespace {
+template <int DT>
+bool decode_bf16(const Params&, const Item&, float*) { return false; }
+inline bool cpu_has_avx512_bf16() { return false; }
+}  // namespace
+#endif
