@@ -17,9 +17,10 @@
 // A group whose key span is long while the batch has too few groups to keep the threads busy is split into
 // partitions whose partial results are merged afterwards (flash-decoding). Threads (torch's pool) take work
 // items longest first from a shared counter. On CPUs with AVX-512 BF16, bfloat16 items of up to 8 query rows
-// (decode, verification) with head_dim 64 or 128 take cpu_attention_bf16.h's path instead (isa level 3). The hot loops use GCC/Clang vector extensions (16 floats),
-// and the kernel is compiled for AVX-512, AVX2+FMA and the baseline ISA through function target attributes
-// and picked at run time, so one build is portable across x86-64 machines (no -march=native).
+// (decode, verification) with head_dim 64 or 128 take cpu_attention_bf16.h's path instead (isa level 3).
+// The hot loops use GCC/Clang vector extensions (16 floats), and the kernel is compiled for AVX-512, AVX2+FMA
+// and the baseline ISA through function target attributes and picked at run time, so one build is portable
+// across x86-64 machines (no -march=native).
 //
 // Built against torch's stable C++ API (torch >= 2.10): its headers are small, so the one-time build is quick.
 #include <torch/csrc/stable/library.h>

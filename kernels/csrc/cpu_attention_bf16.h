@@ -18,7 +18,6 @@
 
 namespace {
 
-constexpr int BF16_MAX_ROWS = 8;  // query rows per item this path takes; more go to the generic loops
 
 inline bool cpu_has_avx512_bf16() {
   static const bool yes = [] {
@@ -28,7 +27,7 @@ inline bool cpu_has_avx512_bf16() {
   return yes;
 }
 
-alignas(64) static const uint16_t kZeroRow[128] = {};  // the rows of a short tile past its last key (D <= 128)
+alignas(64) const uint16_t kZeroRow[128] = {};  // the rows of a short tile past its last key (D <= 128)
 
 // in[j] lane l -> out[l] lane j, 32-bit elements
 BR_BF16_ATTN BR_INLINE void transpose16(const __m512i* in, __m512i* out) {
@@ -107,7 +106,8 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const int t = g.t0 + r / G, hq = h * G + r % G;
-    qp[r] = reinterpret_cast<const uint32_t*>(q + static_cast<int64_t>(qbeg + t) * P.qs0 + static_cast<int64_t>(hq) * P.qs1);
+    qp[r] = reinterpret_cast<const uint32_t*>(q + static_cast<int64_t>(qbeg + t) * P.qs0 +
+                                              static_cast<int64_t>(hq) * P.qs1);
     pos[r] = ctx - qlen + t;
     min_pos = std::min(min_pos, pos[r]);
     max_pos = std::max(max_pos, pos[r]);
@@ -168,7 +168,8 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
         if (blk == 0 && j < nn)  // the next tile's K row
-          for (int c = 0; c < row_bytes; c += 64) __builtin_prefetch(reinterpret_cast<const char*>(kp[cur ^ 1][j]) + c, 0, 1);
+          for (int c = 0; c < row_bytes; c += 64)
+            __builtin_prefetch(reinterpret_cast<const char*>(kp[cur ^ 1][j]) + c, 0, 1);
         rows[j] = _mm512_loadu_si512(kp[cur][j] + blk * 32);
       }
       transpose16(rows, cols);
@@ -234,9 +235,11 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
   }
 }
 
+// The item on this path when it has at most 8 query rows (true), else false: the generic loops take it.
 template <int DT>
-bool decode_bf16_d(const Params& P, const Item& it, float* ws, int rows) {
-  switch (rows) {
+bool decode_bf16(const Params& P, const Item& it, float* ws) {
+  const Group& g = P.groups[it.group];
+  switch ((g.t1 - g.t0) * P.G) {
     case 1: decode_item_bf16<DT, 1>(P, it, ws); return true;
     case 2: decode_item_bf16<DT, 2>(P, it, ws); return true;
     case 3: decode_item_bf16<DT, 3>(P, it, ws); return true;
@@ -247,13 +250,6 @@ bool decode_bf16_d(const Params& P, const Item& it, float* ws, int rows) {
     case 8: decode_item_bf16<DT, 8>(P, it, ws); return true;
     default: return false;
   }
-}
-
-// The item on this path when it has at most BF16_MAX_ROWS query rows (true), else false: the generic loops.
-template <int DT>
-bool decode_bf16(const Params& P, const Item& it, float* ws) {
-  const Group& g = P.groups[it.group];
-  return decode_bf16_d<DT>(P, it, ws, (g.t1 - g.t0) * P.G);
 }
 
 }  // namespace

@@ -78,7 +78,8 @@ def format_extras(result: dict) -> str:
     rl = a.get("roofline")
     if rl:
         s = (f"roofline, batchrun decode at B={rl['batch']}: {rl['step_bytes'] / 1e6:.1f} MB read per step "
-             f"(weights but the embedding table + KV) / {bw['read_gbs']:.1f} GB/s = {rl['floor_s'] * 1e3:.2f} ms floor; measured "
+             f"(weights but the embedding table + KV) / {bw['read_gbs']:.1f} GB/s = "
+             f"{rl['floor_s'] * 1e3:.2f} ms floor; measured "
              f"{rl['step_s'] * 1e3:.2f} ms per step -> {rl['pct_of_roofline']:.0f}% of the memory roofline")
         if rl.get("llamacpp_pct_of_roofline"):
             s += f" (llama.cpp: {rl['llamacpp_pct_of_roofline']:.0f}%)"
