@@ -5,11 +5,15 @@ about half this machine kind's memory bandwidth when the step has one or a few r
 native bf16 arithmetic (AVX2 only) torch's bf16 F.linear runs several times slower than float32. This op
 reads the weights at close to memory speed on AVX-512 BF16 (VDPBF16PS) and on AVX2 + FMA (the bf16 pairs
 widened to float in registers), and matches oneDNN from tens of rows up (csrc/cpu_gemm.cpp says how).
-pack(w [n, K]) -> [ceil(n/16), K/2, 16, 2] pairs each 16 output rows' K values; linear(x, wp, n) = x @ w.T.
+pack(w [n, K]) pairs each 16 output rows' K values: [ceil(n/16), K/2, 16, 2], or on AVX-512 BF16 with n a
+multiple of 64 [n/64, K/2, 4, 16, 2] (four such blocks side by side: one sequential stream per thread, what a
+one-row product reads fastest); linear(x, wp, n) = x @ w.T.
 Float accumulation, one rounding at the end: the reference is torch's F.linear on the unpacked weight
 (results differ only in the order of the float sums). Built into cpu_attention.py's library.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -36,22 +40,36 @@ def set_isa(name: str) -> str:
     return ISAS[int(torch.ops.batchrun_cpu.set_gemm_isa(levels[name]))]
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """w [n, K] bfloat16, K even -> [ceil(n/16), K/2, 16, 2]: wp[b, p, j, t] = w[16 b + j, 2 p + t], rows past
-    n zero."""
+def pack(w: torch.Tensor, grouped: Optional[bool] = None) -> torch.Tensor:
+    """w [n, K] bfloat16, K even -> the layout the op reads fastest here (grouped=None) or the one asked for:
+    blocks [ceil(n/16), K/2, 16, 2], wp[b, p, j, t] = w[16 b + j, 2 p + t], rows past n zero; grouped
+    [n/64, K/2, 4, 16, 2], wp[g, p, b, j, t] = w[64 g + 16 b + j, 2 p + t] (AVX-512 BF16 only, n % 64 == 0)."""
     n, k = w.shape
     if k % 2:
         raise ValueError(f"cpu_gemm.pack: K={k} must be even")
+    if grouped is None:
+        grouped = n % 64 == 0 and isa() == "avx512_bf16"
+    if grouped:
+        if n % 64:
+            raise ValueError(f"cpu_gemm.pack: the grouped layout needs n a multiple of 64, got {n}")
+        return w.reshape(n // 64, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
     blocks = -(-n // 16)
     padded = torch.zeros(blocks * 16, k, dtype=w.dtype)
     padded[:n] = w
     return padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def packed_rows(wp: torch.Tensor) -> int:
+    """The output rows a packed weight holds (n rounded up to its blocks of 16)."""
+    return wp.shape[0] * (64 if wp.dim() == 5 else 16)
+
+
 def unpack(wp: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of pack: [n, K]."""
-    blocks, kp = wp.shape[:2]
-    return wp.permute(0, 2, 1, 3).reshape(blocks * 16, 2 * kp)[:n]
+    kp = wp.shape[1]
+    if wp.dim() == 5:
+        return wp.permute(0, 2, 3, 1, 4).reshape(-1, 2 * kp)[:n]
+    return wp.permute(0, 2, 1, 3).reshape(wp.shape[0] * 16, 2 * kp)[:n]
 
 
 def linear(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:

@@ -84,3 +84,12 @@ def test_bad_arguments_are_refused(hf_models):
         cpu_decoder_layer.decoder_layer(h, w, kv, 0, cos_sin, pos, *step, 8, 1e-6, 0.25, -1)
     with pytest.raises(RuntimeError, match="contiguous bfloat16"):
         cpu_decoder_layer.decoder_layer(h.float(), w, kv, 0, cos_sin, pos, *step, 4, 1e-6, 0.25, -1)
+    # the K/V prefetch before the projection reads the block table first: bad entries are left to the
+    # attention's checks, never read past the table or the cache
+    nblocks = kv.shape[2]
+    bad_block = (*step[:3], torch.full((1, 1), nblocks + 5, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=f"is not a block of the cache \\({nblocks} blocks"):
+        cpu_decoder_layer.decoder_layer(h, w, kv, 0, cos_sin, pos, *bad_block, 4, 1e-6, 0.25, -1)
+    too_long = (*step[:2], torch.full((1,), 10**6, dtype=torch.int32), step[3])
+    with pytest.raises(RuntimeError, match="needs more than the 1 blocks"):
+        cpu_decoder_layer.decoder_layer(h, w, kv, 0, cos_sin, pos, *too_long, 4, 1e-6, 0.25, -1)

@@ -34,14 +34,19 @@ def within_bound(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 12, 13, 23, 24, 27, 64, 301])
-@pytest.mark.parametrize("N,K", [(16, 2), (48, 64), (100, 64), (40, 258), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("N,K", [(16, 2), (48, 64), (100, 64), (40, 258), (64, 2), (960, 576), (576, 1536)])
 def test_linear_is_the_product_within_rounding(isa, M, N, K):
     g = torch.Generator().manual_seed(M * 1000 + N)
     w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
     x = (torch.randn(M, K + 6, generator=g)).to(torch.bfloat16)[:, 3:3 + K]      # strided rows
     wp = cpu_gemm.pack(w)
-    assert wp.shape == (-(-N // 16), K // 2, 16, 2) and torch.equal(cpu_gemm.unpack(wp, N), w)
+    grouped = isa == "avx512_bf16" and N % 64 == 0                  # the layout pack picks for this ISA
+    shape = (N // 64, K // 2, 4, 16, 2) if grouped else (-(-N // 16), K // 2, 16, 2)
+    assert wp.shape == shape and cpu_gemm.packed_rows(wp) == -(-N // 16) * 16
+    assert torch.equal(cpu_gemm.unpack(wp, N), w)
     got = cpu_gemm.linear(x, wp, N)
+    if grouped:                                                      # the blocks layout: the same sums
+        assert torch.equal(cpu_gemm.linear(x, cpu_gemm.pack(w, grouped=False), N), got)
     assert got.shape == (M, N) and got.dtype == torch.bfloat16
     within_bound(got, x, w)
     ref = torch.nn.functional.linear(x, w)
@@ -54,7 +59,7 @@ def test_bias_and_the_model_side_dispatch():
     b = torch.randn(64).to(torch.bfloat16)
     x = torch.randn(5, 32).to(torch.bfloat16)
     wp = pack(w, 8)
-    assert wp.dim() == 4                                             # batchrun's layout, not oneDNN's
+    assert wp.dim() in (4, 5)                                        # batchrun's layouts, not oneDNN's
     within_bound(linear(x, wp), x, w)
     ref = torch.nn.functional.linear(x, w, b)
     assert (linear(x, wp, b).float() - ref.float()).abs().max() <= 2.0 ** -6 * ref.float().abs().max()
@@ -70,6 +75,19 @@ def test_bad_arguments_are_refused():
         cpu_gemm.linear(torch.zeros(2, 8, dtype=torch.bfloat16), wp, 40)
     with pytest.raises(ValueError, match="even"):
         cpu_gemm.pack(torch.zeros(16, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu_gemm.pack(torch.zeros(48, 8, dtype=torch.bfloat16), grouped=True)
+
+
+@pytest.mark.skipif(MACHINE_ISA != "avx512_bf16", reason="the groups layout is the AVX-512 BF16 kernel's")
+def test_the_avx2_kernel_refuses_the_groups_layout():
+    wp = cpu_gemm.pack(torch.zeros(64, 8, dtype=torch.bfloat16), grouped=True)
+    old = cpu_gemm.set_isa("avx2")
+    try:
+        with pytest.raises(RuntimeError, match="groups layout"):
+            cpu_gemm.linear(torch.zeros(1, 8, dtype=torch.bfloat16), wp, 64)
+    finally:
+        cpu_gemm.set_isa(old)
 
 
 def test_bf16_engine_runs_on_the_own_layout_and_agrees_with_onednn(hf_models, monkeypatch):
@@ -79,7 +97,7 @@ def test_bf16_engine_runs_on_the_own_layout_and_agrees_with_onednn(hf_models, mo
     prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], list(range(10, 60)), [3] * 20)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     own = LLM(path, dtype="bfloat16", max_num_seqs=4)
-    assert own.engine.runner.model.layers[0].mlp.down_proj.weight.dim() == 4
+    assert own.engine.runner.model.layers[0].mlp.down_proj.weight.dim() in (4, 5)
     monkeypatch.setenv(GEMM_ENV, "onednn")
     onednn = LLM(path, dtype="bfloat16", max_num_seqs=4)
     w = onednn.engine.runner.model.layers[0].mlp.down_proj.weight

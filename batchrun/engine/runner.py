@@ -15,7 +15,7 @@ import torch.distributed as dist
 from batchrun.engine.block_pool import blocks_needed
 from batchrun.engine.config import EngineConfig, default_threads
 from batchrun.engine.kv_memory import check_fits_one_sequence, kv_budget, lazy_zeros
-from batchrun.engine.sampler import sample, verify_sampled
+from batchrun.engine.sampler import sample, verify_drafts
 from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
 from batchrun.engine.step_inputs import StepInputs
 from batchrun.kernels import cpu_argmax
@@ -281,20 +281,8 @@ class ModelRunner:
                             self.default_generator).tolist()   # the step's one host sync without drafts
             result.update({i: [t] for i, t in zip(plain, tokens)})
         if spec:
-            greedy = [i for i in spec if entries[i].seq.params.greedy]
-            if greedy:
-                argmax = logits.argmax(dim=-1).tolist()
-                for i in greedy:
-                    draft, r0 = entries[i].draft, row_of[i]
-                    a = 0
-                    while a < len(draft) and draft[a] == argmax[r0 + a]:
-                        a += 1
-                    result[i] = draft[:a] + [argmax[r0 + a]]
-            for i in spec:
-                if i not in result:
-                    seq, r0 = entries[i].seq, row_of[i]
-                    result[i] = verify_sampled(logits[r0:r0 + 1 + len(entries[i].draft)], entries[i].draft,
-                                               seq.params, seq.generator or self.default_generator)
+            result.update(verify_drafts(logits, {i: (entries[i].seq, entries[i].draft, row_of[i]) for i in spec},
+                                        self.default_generator))
         return [(entries[i], result[i]) for i in sampling]
 
     def make_generator(self, seed: int) -> torch.Generator:

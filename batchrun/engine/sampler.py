@@ -91,3 +91,25 @@ def verify_sampled(logits: torch.Tensor, draft: list[int], p, generator: Optiona
             residual[draft[j]] = 0.0
             return draft[:j] + [_race(residual, generator)]
     return draft + [_race(probs[d], generator)]
+
+
+def verify_drafts(logits: torch.Tensor, drafts: dict, default_generator: Optional[torch.Generator]) -> dict:
+    """drafts: key -> (sequence, its draft tokens, its first row in logits), the d + 1 rows from there scoring
+    the tokens after draft[:j]. Returns key -> the accepted drafts and the model's own next token: greedy
+    sequences keep the longest prefix the argmax agrees with (one argmax over all rows, one host sync),
+    sampled ones go through verify_sampled with their own generator."""
+    result = {}
+    greedy = [k for k, (seq, _, _) in drafts.items() if seq.params.greedy]
+    if greedy:
+        argmax = logits.argmax(dim=-1).tolist()
+        for k in greedy:
+            _, draft, r0 = drafts[k]
+            a = 0
+            while a < len(draft) and draft[a] == argmax[r0 + a]:
+                a += 1
+            result[k] = draft[:a] + [argmax[r0 + a]]
+    for k, (seq, draft, r0) in drafts.items():
+        if k not in result:
+            result[k] = verify_sampled(logits[r0:r0 + 1 + len(draft)], draft, seq.params,
+                                       seq.generator or default_generator)
+    return result

@@ -55,7 +55,7 @@ def _rope_inputs(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
     return cos_sin, positions
 
 
-FUSED_DENSE = DenseFns(_rope_inputs, pre_attention, post_attention)
+FUSED_DENSE = DenseFns(_rope_inputs, pre_attention, post_attention, norm=ops.rms_norm)
 
 
 def fused_ops_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -89,7 +89,7 @@ def _layer_op_args(layer) -> Optional[tuple]:
     a, mlp = layer.self_attn, layer.mlp
     projs = (a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
     if a.qk_norm or a.qkv_proj.bias is not None or not all(
-            isinstance(w, torch.Tensor) and w.dim() == 4 and w.dtype == torch.bfloat16 for w in projs):
+            isinstance(w, torch.Tensor) and w.dim() >= 4 and w.dtype == torch.bfloat16 for w in projs):
         return None
     qkv, o, gate_up, down = projs
     weights = (layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down)

@@ -28,8 +28,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -
     its own linear(x, b): quantized (models/quant.py) or row-parallel (models/tp.py)."""
     if not isinstance(w, torch.Tensor):
         return w.linear(x, b)
-    if w.dim() == 4:               # cpu_gemm's layout: [out/16, in/2, 16, 2]
-        y = cpu_gemm.linear(x if x.stride(-1) == 1 else x.contiguous(), w, w.shape[0] * 16)
+    if w.dim() >= 4:               # cpu_gemm's layouts: [out/16, in/2, 16, 2] or [out/64, in/2, 4, 16, 2]
+        y = cpu_gemm.linear(x if x.stride(-1) == 1 else x.contiguous(), w, cpu_gemm.packed_rows(w))
         return y if b is None else y.add_(b)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")

@@ -82,6 +82,7 @@ class DenseFns(NamedTuple):
     post: Callable             # post_attention's signature
     # every layer at once, attention included: LlamaModel.run_layers' signature (None: run_layers itself)
     layers: Optional[Callable] = None
+    norm: Callable = rms_norm  # the final norm: (x [T, H], w [H], eps) -> [T, H]
 
 
 TORCH_DENSE = DenseFns(rope_tables, pre_attention, post_attention)
@@ -190,7 +191,7 @@ class LlamaModel(nn.Module):
         rope = fns.rope_inputs(self.cos_sin, positions, h.dtype)
         h = fns.layers(self, h, rope, kv_caches, meta, backend) if fns.layers else self.run_layers(
             h, rope, kv_caches, meta, backend)
-        return self.norm(h)
+        return fns.norm(h, self.norm.weight, self.norm.eps)
 
     def run_layers(self, h: torch.Tensor, rope: tuple, kv_caches: torch.Tensor, meta: AttentionMetadata,
                    backend) -> torch.Tensor:
