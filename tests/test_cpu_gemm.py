@@ -54,6 +54,25 @@ def test_linear_is_the_product_within_rounding(isa, M, N, K):
     assert (got.float() - ref.float()).abs().max() <= 2.0 ** -6 * ref.float().abs().max()
 
 
+@pytest.mark.parametrize("M", [24, 64, 301])
+def test_the_split_over_threads_changes_no_bit(isa, M):
+    """576 outputs make 9 groups of 64, too few to balance two threads: rows are split too. Every output is
+    still one tile's sum in the same order, whatever the split."""
+    g = torch.Generator().manual_seed(M)
+    w = (torch.randn(576, 1536, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(M, 1536, generator=g).to(torch.bfloat16)
+    wp = cpu_gemm.pack(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gemm.linear(x, wp, 576)
+        torch.set_num_threads(4)
+        assert torch.equal(cpu_gemm.linear(x, wp, 576), one)
+    finally:
+        torch.set_num_threads(threads)
+    within_bound(one, x, w)
+
+
 def test_bias_and_the_model_side_dispatch():
     w = (torch.randn(64, 32) * 0.1).to(torch.bfloat16)
     b = torch.randn(64).to(torch.bfloat16)
