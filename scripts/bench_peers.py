@@ -43,6 +43,8 @@ How each number is computed (all peers: 2 threads, each peer in its own subproce
                     / memory bandwidth measured in this run (torch sum over 512 MiB,
                     2 threads), as a share of the measured decode step time.
 The machine may be shared: absolute numbers are noisy, the ratios within one run are what count.
+--repeat N runs workload (a)'s peers in turn N times: each peer's row is its median run, and the ratios of
+every repeat (neighbouring runs of the peers) are printed under the median's.
 """
 from __future__ import annotations
 
@@ -82,6 +84,9 @@ def parse_args(argv=None):
     ap.add_argument("--hf-batch-size", type=int, default=32, help="HF generate static batch size, workload (b)")
     ap.add_argument("--batchrun-gguf", choices=("auto", "yes", "no"), default="auto",
                     help="workload (b): batchrun loads the GGUF itself (auto: when batchrun.models.gguf exists)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="workload (a): run the peers in turn this many times; the table shows each peer's median "
+                         "run and the ratios of every repeat")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (the test); never builds llama.cpp")
     ap.add_argument("--no-build", action="store_true", help="use llama.cpp only if already built")
     ap.add_argument("--json", metavar="OUT", help="write the full result as JSON")

@@ -147,6 +147,23 @@ def test_ratios(metrics):
     assert metrics.ratios_b({"hf_generate": {"tok_s": 1.0}}) == {}       # no batchrun: no ratio
 
 
+def test_repeats_take_each_batch_median_and_keep_every_ratio(metrics, report):
+    runs = [{"status": "ok", "peak_rss_mib": 5, "by_batch": {"1": {"decode_tok_s": d1}, "16": {"decode_tok_s": d16}}}
+            for d1, d16 in ((3.0, 30.0), (1.0, 50.0), (2.0, 40.0))] + [{"status": "failed: boom"}]
+    m = metrics.median_run(runs, [1, 16])
+    assert m["by_batch"] == {"1": {"decode_tok_s": 2.0}, "16": {"decode_tok_s": 40.0}}   # per batch, not per run
+    assert m["repeats"] == {"1": [1.0, 2.0, 3.0], "16": [30.0, 40.0, 50.0]} and m["peak_rss_mib"] == 5
+    two = metrics.median_run(runs[:2], [1])
+    assert two["by_batch"]["1"] == {"decode_tok_s": 1.0}                  # even count: the lower middle
+    assert metrics.median_run(runs[3:], [1]) == runs[3]                   # nothing succeeded: as it is
+    spread = metrics.ratio_spread([{"k": 2.0, "j": 1.0}, {"k": 1.5}])
+    assert spread == {"k": [1.5, 2.0], "j": [1.0]}
+    r = _result()
+    r["a"]["ratios"] = metrics.ratios_a(r["a"]["peers"], [1, 16])
+    r["a"]["ratio_runs"] = {"batchrun/hf_generate/decode/b1": [1.5, 2.0, 2.5]}
+    assert "1.50/2.00/2.50" in report.format_table_a(r["a"])
+
+
 def test_tables_render_failures_and_skips(metrics, report):
     r = _result()
     r["a"]["ratios"] = metrics.ratios_a(r["a"]["peers"], [1, 16])
@@ -225,6 +242,7 @@ def test_roofline_and_overhead(metrics):
 def test_parse_args_defaults_and_peers(bp):
     a = bp.parse_args(["--quick", "--workload", "a", "--batches", "1,4", "--peers", "batchrun,hf_generate"])
     assert a.quick and a.workload == "a" and a.batches == [1, 4] and a.peers == ["batchrun", "hf_generate"]
+    assert a.repeat == 1 and bp.parse_args(["--repeat", "3"]).repeat == 3
     with pytest.raises(SystemExit):
         bp.parse_args(["--peers", "vllm"])
 
@@ -235,7 +253,7 @@ def test_quick_run_end_to_end(tmp_path):
     out = tmp_path / "r.json"
     env = dict(os.environ, BATCHRUN_BENCH_CACHE=str(tmp_path / "cache"))
     p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_peers.py"), "--quick", "--workload", "a",
-                        "--peers", "batchrun", "--json", str(out), "--compare",
+                        "--peers", "batchrun", "--repeat", "2", "--json", str(out), "--compare",
                         "--baseline", str(tmp_path / "none.json")],
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -249,3 +267,4 @@ def test_quick_run_end_to_end(tmp_path):
         assert row["decode_tokens"] == int(b) * 8 and row["decode_steps"] == 8
         assert row["decode_tok_s"] > 0 and row["e2e_tok_s"] > 0
     assert br["peak_rss_mib"] > 0 and br["ledger"]["weights_bytes"] > 0
+    assert {b: len(v) for b, v in br["repeats"].items()} == {"1": 2, "4": 2}    # --repeat 2: both runs kept

@@ -123,6 +123,32 @@ def ratios_a(peers: dict, batches: list[int]) -> dict[str, float]:
     return out
 
 
+def median_run(runs: list[dict], batches: list[int]) -> dict:
+    """One peer's repeated workload-(a) results as one: per batch the row of the run with the median decode
+    tok/s (the lower middle of an even count), the other fields from the first successful run; "repeats"
+    keeps every run's decode tok/s per batch. A single run, or none that succeeded, comes back as it is."""
+    ok = [p for p in runs if p.get("status", "ok") == "ok" and p.get("by_batch")]
+    if len(runs) == 1 or not ok:
+        return runs[0]
+    out = dict(ok[0], by_batch={}, repeats={})
+    for b in map(str, batches):
+        rows = sorted((p["by_batch"][b] for p in ok if b in p["by_batch"]),
+                      key=lambda r: r.get("decode_tok_s") or 0.0)
+        if rows:
+            out["by_batch"][b] = rows[(len(rows) - 1) // 2]
+            out["repeats"][b] = [r.get("decode_tok_s") for r in rows]
+    return out
+
+
+def ratio_spread(per_repeat: list[dict]) -> dict[str, list[float]]:
+    """ratios_a of each repeat (peers run back to back within a repeat) -> {key: sorted ratios}."""
+    out: dict[str, list[float]] = {}
+    for r in per_repeat:
+        for k, v in r.items():
+            out.setdefault(k, []).append(v)
+    return {k: sorted(v) for k, v in out.items()}
+
+
 def ratios_b(peers: dict) -> dict[str, float]:
     ours = (peers.get("batchrun") or {}).get("tok_s")
     out = {}

@@ -45,6 +45,13 @@ def format_table_a(res: dict) -> str:
             e = res["ratios"].get(f"batchrun/{name}/e2e/b{b}")
             row += f"{(_fmt(d, 2) + 'x | ' + _fmt(e, 2) + 'x') if (d or e) else '-':>18}"
         lines.append(row)
+        spread = res.get("ratio_runs")
+        if spread:
+            row = f"{'    each repeat (decode)':<26}"
+            for b in batches:
+                v = spread.get(f"batchrun/{name}/decode/b{b}")
+                row += f"{('/'.join(_fmt(x, 2) for x in v)) if v else '-':>18}"
+            lines.append(row)
     for name, p in peers.items():
         if p.get("status", "ok") != "ok":
             lines.append(f"{LABELS.get(name, name)}: {p['status']}")

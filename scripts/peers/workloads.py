@@ -12,7 +12,7 @@ import llamacpp   # scripts/llamacpp.py (bench_peers.py puts scripts/ on sys.pat
 
 from .constants import LABELS, PEERS_A, PEERS_B
 from .inputs import build_model_a, prepare_smollm2, random_prompts, summary_prompts
-from .metrics import ratios_a, ratios_b
+from .metrics import median_run, ratio_spread, ratios_a, ratios_b
 from .processes import llamacpp_ready, run_child, run_llamacpp
 
 # called after every peer with (workload, peer, its result): bench_peers.py --json writes the partial result
@@ -82,9 +82,20 @@ def workload_a(args, workdir: str, result: Optional[dict] = None, on_peer: Optio
             p["skip_reason"] = f"--hf-max-batch {args.hf_max_batch}"
         return p
 
-    for name in [p for p in PEERS_A if p in args.peers]:
-        res["peers"][name] = _timed_peer("a", name, llama if name == "llamacpp_bf16" else (lambda: child(name)),
-                                         on_peer)
+    # --repeat N: the peers run in turn N times (the machine's speed drifts; a ratio of neighbouring runs
+    # holds best); each peer's table row is its median run, and every repeat's ratios are kept
+    names = [p for p in PEERS_A if p in args.peers]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    per_repeat = []
+    for _ in range(max(1, getattr(args, "repeat", 1))):
+        for name in names:
+            runs[name].append(_timed_peer("a", name, llama if name == "llamacpp_bf16" else (lambda: child(name)),
+                                          on_peer))
+        per_repeat.append(ratios_a({name: r[-1] for name, r in runs.items()}, batches))
+    for name in names:
+        res["peers"][name] = median_run(runs[name], batches)
+    if len(per_repeat) > 1:
+        res["ratio_runs"] = ratio_spread(per_repeat)
     res["model_desc"] = (f"random-init Llama bf16, hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
                          f"{shape['num_attention_heads']}q/{shape['num_key_value_heads']}kv heads, "
                          f"vocab {shape['vocab_size']}")
