@@ -40,23 +40,33 @@ def set_isa(name: str) -> str:
     return ISAS[int(torch.ops.batchrun_cpu.set_gemm_isa(levels[name]))]
 
 
-def pack(w: torch.Tensor, grouped: Optional[bool] = None) -> torch.Tensor:
+def packed_shape(n: int, k: int, grouped: Optional[bool] = None) -> tuple:
+    """The shape pack() gives a [n, k] weight (grouped=None: the layout this CPU reads fastest)."""
+    if grouped is None:
+        grouped = n % 64 == 0 and isa() == "avx512_bf16"
+    return (n // 64, k // 2, 4, 16, 2) if grouped else (-(-n // 16), k // 2, 16, 2)
+
+
+def pack(w: torch.Tensor, grouped: Optional[bool] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """w [n, K] bfloat16, K even -> the layout the op reads fastest here (grouped=None) or the one asked for:
     blocks [ceil(n/16), K/2, 16, 2], wp[b, p, j, t] = w[16 b + j, 2 p + t], rows past n zero; grouped
-    [n/64, K/2, 4, 16, 2], wp[g, p, b, j, t] = w[64 g + 16 b + j, 2 p + t] (AVX-512 BF16 only, n % 64 == 0)."""
+    [n/64, K/2, 4, 16, 2], wp[g, p, b, j, t] = w[64 g + 16 b + j, 2 p + t] (AVX-512 BF16 only, n % 64 == 0).
+    out: a contiguous tensor of packed_shape() to write it into (returned)."""
     n, k = w.shape
     if k % 2:
         raise ValueError(f"cpu_gemm.pack: K={k} must be even")
-    if grouped is None:
-        grouped = n % 64 == 0 and isa() == "avx512_bf16"
-    if grouped:
-        if n % 64:
-            raise ValueError(f"cpu_gemm.pack: the grouped layout needs n a multiple of 64, got {n}")
-        return w.reshape(n // 64, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
-    blocks = -(-n // 16)
-    padded = torch.zeros(blocks * 16, k, dtype=w.dtype)
-    padded[:n] = w
-    return padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if grouped and n % 64:
+        raise ValueError(f"cpu_gemm.pack: the grouped layout needs n a multiple of 64, got {n}")
+    shape = packed_shape(n, k, grouped)
+    if out is None:
+        out = torch.empty(shape, dtype=w.dtype)
+    elif tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"cpu_gemm.pack: out must be a contiguous {shape}, got {tuple(out.shape)}")
+    if len(shape) == 5:
+        return out.copy_(w.reshape(n // 64, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4))
+    if n % 16:
+        w = torch.cat([w, w.new_zeros(shape[0] * 16 - n, k)])
+    return out.copy_(w.reshape(shape[0], 16, k // 2, 2).permute(0, 2, 1, 3))
 
 
 def packed_rows(wp: torch.Tensor) -> int:

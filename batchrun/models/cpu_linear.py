@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from batchrun.kernels import cpu_gemm
+from batchrun.models import huge_pages
+from batchrun.models.huge_pages import Slab
 
 PACKED_LINEAR_ENV = "BATCHRUN_CPU_PACKED_LINEAR"
 GEMM_ENV = "BATCHRUN_CPU_GEMM"      # "onednn": oneDNN's packed layout even where batchrun's own kernel runs
@@ -46,13 +48,13 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and (_own_gemm() or _onednn_bf16())
 
 
-def pack(w: torch.Tensor, batch_hint: int) -> torch.Tensor:
+def pack(w: torch.Tensor, batch_hint: int, slab: Optional[Slab] = None) -> torch.Tensor:
     """w [out, in] in the fastest layout this CPU has: batchrun's own (kernels/cpu_gemm.py: AVX-512 BF16 or
-    AVX2, out a multiple of 16) unless BATCHRUN_CPU_GEMM=onednn, else oneDNN's packed one where oneDNN has
-    bf16 kernels, else as it is."""
+    AVX2, out a multiple of 16; into `slab` when given) unless BATCHRUN_CPU_GEMM=onednn, else oneDNN's packed
+    one where oneDNN has bf16 kernels, else as it is."""
     w = w.detach().contiguous()
-    if w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0 and _own_gemm():
-        return cpu_gemm.pack(w)
+    if _own_layout(w):
+        return cpu_gemm.pack(w, out=slab.take(cpu_gemm.packed_shape(*w.shape)) if slab is not None else None)
     return torch.ops.mkldnn._reorder_linear_weight(w, batch_hint) if _onednn_bf16() else w
 
 
@@ -60,18 +62,28 @@ def _own_gemm() -> bool:
     return os.environ.get(GEMM_ENV, "own") != "onednn" and cpu_gemm.supported()
 
 
+def _own_layout(w: torch.Tensor) -> bool:
+    return w.shape[0] % 16 == 0 and w.shape[1] % 2 == 0 and _own_gemm()
+
+
 def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
     """Replace each nn.Linear's weight by its packed form (a non-persistent buffer: the model is for
     inference only) and give the model a packed logits weight (a copy when it is tied to the embedding,
-    which lookups still read). Returns the bytes the packed copies add (0 unless the embedding is tied)."""
-    for mod in model.modules():
-        if isinstance(mod, nn.Linear) and isinstance(mod.weight, torch.Tensor):   # not a quantized one
-            packed = pack(mod.weight, batch_hint)
-            del mod._parameters["weight"]
-            mod.register_buffer("weight", packed, persistent=False)
+    which lookups still read). The own kernel's layouts go into one slab of transparent huge pages where the
+    OS has them (models/huge_pages.py: what a decode step streams is read faster), filled as the plain
+    weights are let go. Returns the bytes the packed copies add (0 unless the embedding is tied)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and isinstance(m.weight, torch.Tensor)]
+    tied = getattr(model, "tie_word_embeddings", False) and not hasattr(model, "logits_weight")
+    plain = [m.weight for m in linears] + ([model.embed_tokens.weight] if tied else [])
+    own = [cpu_gemm.packed_shape(*w.shape) for w in plain if _own_layout(w)]
+    slab = Slab(own, plain[0].dtype) if own and huge_pages.available() else None
+    for mod in linears:                         # not a quantized one
+        packed = pack(mod.weight, batch_hint, slab)
+        del mod._parameters["weight"]
+        mod.register_buffer("weight", packed, persistent=False)
     added = 0
-    if getattr(model, "tie_word_embeddings", False) and not hasattr(model, "logits_weight"):
+    if tied:
         w = model.embed_tokens.weight
-        model.logits_weight = pack(w, batch_hint)
+        model.logits_weight = pack(w, batch_hint, slab)
         added = w.numel() * w.element_size()
     return added
