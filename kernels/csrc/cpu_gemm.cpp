@@ -4,8 +4,8 @@
 // batchrun_cpu::bf16_linear(x [M, K] bf16, wp, n) -> [M, n] bf16 = x @ w.T
 //
 // wp holds w [n, K] in pairs along K, in one of two layouts (cpu_gemm.pack picks one):
-//   blocks  [NB, K/2, 16, 2]:     wp[b, p, j, t] = w[16 b + j, 2 p + t] (rows past n are zero)
-//   groups  [n/64, K/2, 4, 16, 2]: wp[g, p, b, j, t] = w[64 g + 16 b + j, 2 p + t] (AVX-512 BF16, n % 64 == 0)
+//   blocks  [ceil(n/16), K/2, 16, 2]: wp[b, p, j, t] = w[16 b + j, 2 p + t] (rows past n are zero)
+//   groups  [n/64, K/2, 4, 16, 2]:    wp[g, p, b, j, t] = w[64 g + 16 b + j, 2 p + t] (AVX-512 BF16, n % 64 == 0)
 // AVX-512 BF16: one VDPBF16PS multiplies a broadcast pair of x by 16 output rows' pairs and adds into 16
 // float accumulators, so a tile of MR rows x NB blocks of 16 outputs keeps MR x NB accumulators in registers
 // and reads each weight vector once for all MR rows. The groups layout puts the four blocks a tile reads
@@ -17,8 +17,9 @@
 // output blocks: at one row (a decode step at batch 1) every weight byte is read once, in a few sequential
 // streams per thread, at memory speed; at many rows a thread's blocks stay in L2 while it walks the row
 // tiles, and where the outputs make too few groups to balance the threads the rows are split as well
-// (576 outputs: 9 groups; 383-414 -> 418-457 GFLOP/s at 64-1600 rows, two threads, Zen 4). Float accumulation (products of two bfloat16 are exact in float), one rounding to bfloat16 at the
-// end: only the order of the sums differs from torch's F.linear, the reference.
+// (576 outputs: 9 groups; 383-414 -> 418-457 GFLOP/s at 64-1600 rows, two threads, Zen 4). Float
+// accumulation (products of two bfloat16 are exact in float), one rounding to bfloat16 at the end: only the
+// order of the sums differs from torch's F.linear, the reference.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
