@@ -40,6 +40,20 @@ def test_available_follows_the_os_setting_and_the_switch(monkeypatch):
     assert not huge_pages.available()
 
 
+def test_a_mapping_that_fails_falls_back_to_ordinary_pages(monkeypatch, caplog):
+    if not huge_pages.available():
+        assert huge_pages.slab_or_none([(4,)], torch.bfloat16) is None
+        return
+
+    def no_memory(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(huge_pages.mmap, "mmap", no_memory)
+    monkeypatch.setattr(huge_pages, "_warned", [])
+    with caplog.at_level("WARNING", logger="batchrun"):
+        assert huge_pages.slab_or_none([(4,)], torch.bfloat16) is None
+    assert "ordinary pages instead" in caplog.text
+
+
 def test_slab_tensors_are_aligned_disjoint_and_bounded():
     shapes = [(3, 5), (64, 1024), (7,)]
     slab = Slab(shapes, torch.bfloat16)

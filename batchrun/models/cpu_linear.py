@@ -76,7 +76,7 @@ def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
     tied = getattr(model, "tie_word_embeddings", False) and not hasattr(model, "logits_weight")
     plain = [m.weight for m in linears] + ([model.embed_tokens.weight] if tied else [])
     own = [cpu_gemm.packed_shape(*w.shape) for w in plain if _own_layout(w)]
-    slab = Slab(own, plain[0].dtype) if own and huge_pages.available() else None
+    slab = huge_pages.slab_or_none(own, plain[0].dtype) if own else None
     for mod in linears:                         # not a quantized one
         packed = pack(mod.weight, batch_hint, slab)
         del mod._parameters["weight"]

@@ -10,11 +10,15 @@ anything is written. Elsewhere, or with BATCHRUN_HUGE_PAGES=0, callers keep ordi
 """
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
 
 import torch
+
+log = logging.getLogger("batchrun")
+_warned: list = []
 
 HUGE_PAGES_ENV = "BATCHRUN_HUGE_PAGES"   # "0": ordinary pages
 HUGE_PAGE = 2 << 20
@@ -50,7 +54,10 @@ class Slab:
         # mapping); touching the last one maps at most a huge page more than nbytes
         size = -(-self.nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
         buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buf.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:         # a kernel built without THP: ordinary pages, same tensors
+            pass
         raw = torch.frombuffer(buf, dtype=torch.uint8)
         self._bytes = raw[-raw.data_ptr() % HUGE_PAGE:]     # from a huge page boundary
         self._used = 0
@@ -63,3 +70,17 @@ class Slab:
         t = self._bytes[self._used:self._used + n].view(self.dtype).view(shape)
         self._used += -(-n // ALIGN) * ALIGN
         return t
+
+
+def slab_or_none(shapes: list[tuple], dtype: torch.dtype) -> "Slab | None":
+    """A Slab for `shapes` where huge pages are available and the mapping can be made; None otherwise (the
+    caller allocates as usual; a failed mapping is logged once, never fatal)."""
+    if not available():
+        return None
+    try:
+        return Slab(shapes, dtype)
+    except OSError as e:
+        if not _warned:
+            _warned.append(True)
+            log.warning("huge pages: no mapping for the packed weights (%s); ordinary pages instead", e)
+        return None
