@@ -48,7 +48,7 @@ def test_a_mapping_that_fails_falls_back_to_ordinary_pages(monkeypatch, caplog):
     def no_memory(*a, **k):
         raise OSError(12, "Cannot allocate memory")
     monkeypatch.setattr(huge_pages.mmap, "mmap", no_memory)
-    monkeypatch.setattr(huge_pages, "_warned", [])
+    monkeypatch.setattr(huge_pages, "_warned", False)
     with caplog.at_level("WARNING", logger="batchrun"):
         assert huge_pages.slab_or_none([(4,)], torch.bfloat16) is None
     assert "ordinary pages instead" in caplog.text

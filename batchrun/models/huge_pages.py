@@ -18,7 +18,7 @@ import os
 import torch
 
 log = logging.getLogger("batchrun")
-_warned: list = []
+_warned = False                           # a failed mapping is logged once per process
 
 HUGE_PAGES_ENV = "BATCHRUN_HUGE_PAGES"   # "0": ordinary pages
 HUGE_PAGE = 2 << 20
@@ -39,7 +39,11 @@ def available() -> bool:
 
 
 def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 class Slab:
@@ -49,7 +53,7 @@ class Slab:
 
     def __init__(self, shapes: list[tuple], dtype: torch.dtype):
         self.dtype = dtype
-        self.nbytes = sum(-(-_nbytes(s, dtype) // ALIGN) * ALIGN for s in shapes)
+        self.nbytes = sum(_aligned(_nbytes(s, dtype)) for s in shapes)
         # whole huge pages from an aligned start (a page the kernel can map as one must lie inside the
         # mapping); touching the last one maps at most a huge page more than nbytes
         size = -(-self.nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
@@ -68,7 +72,7 @@ class Slab:
         if self._used + n > self.nbytes:
             raise ValueError(f"Slab: {n} more bytes do not fit ({self._used} of {self.nbytes} used)")
         t = self._bytes[self._used:self._used + n].view(self.dtype).view(shape)
-        self._used += -(-n // ALIGN) * ALIGN
+        self._used += _aligned(n)
         return t
 
 
@@ -80,7 +84,8 @@ def slab_or_none(shapes: list[tuple], dtype: torch.dtype) -> "Slab | None":
     try:
         return Slab(shapes, dtype)
     except OSError as e:
+        global _warned
         if not _warned:
-            _warned.append(True)
+            _warned = True
             log.warning("huge pages: no mapping for the packed weights (%s); ordinary pages instead", e)
         return None

@@ -62,9 +62,11 @@ void prefetch_kv(const char* k, const char* v, int64_t block_bytes, int64_t bs, 
   const auto* bt = static_cast<const int32_t*>(block_tables.data_ptr());
   auto first_block = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lens[b] - window) / bs : 0; };
   auto end_block = [&](int64_t b) { return std::min<int64_t>(W, (lens[b] + bs - 1) / bs); };
-  int64_t nblocks = 0;
-  for (int64_t b = 0; b < B; ++b) nblocks += std::max<int64_t>(0, end_block(b) - first_block(b));
-  if (2 * nblocks * block_bytes > kPrefetchKvBytes) return;
+  int64_t nblocks = 0;   // a large batch stops counting as soon as it is over the budget
+  for (int64_t b = 0; b < B; ++b) {
+    nblocks += std::max<int64_t>(0, end_block(b) - first_block(b));
+    if (2 * nblocks * block_bytes > kPrefetchKvBytes) return;
+  }
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = first_block(b); j < end_block(b); ++j) {
       const int64_t blk = bt[b * bts0 + j * bts1];

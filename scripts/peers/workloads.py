@@ -87,7 +87,7 @@ def workload_a(args, workdir: str, result: Optional[dict] = None, on_peer: Optio
     names = [p for p in PEERS_A if p in args.peers]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     per_repeat = []
-    for _ in range(max(1, getattr(args, "repeat", 1))):
+    for _ in range(max(1, args.repeat)):
         for name in names:
             runs[name].append(_timed_peer("a", name, llama if name == "llamacpp_bf16" else (lambda: child(name)),
                                           on_peer))
