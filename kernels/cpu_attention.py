@@ -8,9 +8,10 @@ accumulation and online softmax; cost follows the sum of the contexts, and no K/
 The caches may be float8 (kv_cache_dtype fp8: kernels/kv_quant.py) whatever q's dtype, read as value x k_scale /
 v_scale and converted in registers (no dequantised copy); store_kv quantises as kv_quant.quantize does.
 paged_attention_ref is the same contract in plain torch (gather, mask, softmax), the op's reference.
-On AVX-512 BF16 CPUs, bfloat16 decode and verification items (at most 8 query rows per KV head, head_dim 64 or
-128) score keys with VDPBF16PS on K tiles transposed in registers (isa "avx512_bf16"; "avx512" caps a call to
-the generic loops, which tests compare it with).
+On AVX-512 BF16 CPUs, bfloat16 items with head_dim 64 or 128 run on VDPBF16PS (isa "avx512_bf16"; "avx512" caps
+a call to the generic loops, which tests compare it with): decode and verification (at most 8 query rows per
+KV head) score keys on K tiles transposed in registers; prefill chunks (more rows) also run p @ V on it, with p
+rounded to bfloat16 for that product as torch's CPU flash attention does.
 
 The source (csrc/cpu_attention.cpp, with csrc/cpu_layer_ops.cpp: one library) is compiled once per machine with torch.utils.cpp_extension and cached
 under $BATCHRUN_EXTENSIONS_DIR, else $XDG_CACHE_HOME/batchrun/torch_extensions, else
@@ -46,7 +47,8 @@ SOURCE = CSRC / "cpu_attention.cpp"
 # and their shared headers
 EXTRA_SOURCES = [CSRC / "cpu_layer_ops.cpp", CSRC / "cpu_gemm.cpp", CSRC / "cpu_gemm_avx2.cpp",
                  CSRC / "cpu_decoder_layer.cpp", CSRC / "cpu_argmax.cpp"]
-HEADERS = [CSRC / "vec.h", CSRC / "ops.h", CSRC / "cpu_gemm_avx2.h", CSRC / "cpu_attention_bf16.h"]
+HEADERS = [CSRC / "vec.h", CSRC / "ops.h", CSRC / "cpu_gemm_avx2.h", CSRC / "cpu_attention_bf16.h",
+           CSRC / "cpu_attention_bf16_prefill.h"]
 # -O2: the hot loops use explicit vector types, so -O3 buys nothing here but triples the build time.
 # No -march: the source compiles its kernel for several ISAs and picks one at run time. Threads come from
 # torch's own pool (stable parallel_for), so no OpenMP flags.
@@ -191,7 +193,7 @@ def cpu_isa() -> str:
 
 def attention_isa() -> str:
     """The best level paged_attention runs at here: cpu_isa(), or avx512_bf16 where the CPU has AVX-512 BF16
-    (bfloat16 decode and verification items then take the VDPBF16PS path)."""
+    (bfloat16 items with head_dim 64 or 128 then take the VDPBF16PS paths)."""
     if not load():
         raise RuntimeError(f"CPU attention op unavailable: {_state['error']}")
     return ISAS[int(torch.ops.batchrun_cpu.attention_isa())]

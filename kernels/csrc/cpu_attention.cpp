@@ -16,8 +16,9 @@
 // K/V read, and K/V rows are converted to float a tile of 16 keys at a time, the next tile prefetched into L2.
 // A group whose key span is long while the batch has too few groups to keep the threads busy is split into
 // partitions whose partial results are merged afterwards (flash-decoding). Threads (torch's pool) take work
-// items longest first from a shared counter. On CPUs with AVX-512 BF16, bfloat16 items of up to 8 query rows
-// (decode, verification) with head_dim 64 or 128 take cpu_attention_bf16.h's path instead (isa level 3).
+// items longest first from a shared counter. On CPUs with AVX-512 BF16, bfloat16 items with head_dim 64 or 128
+// take cpu_attention_bf16.h's path (up to 8 query rows: decode, verification) or cpu_attention_bf16_prefill.h's
+// (more rows) instead (isa level 3).
 // The hot loops use GCC/Clang vector extensions (16 floats), and the kernel is compiled for AVX-512, AVX2+FMA
 // and the baseline ISA through function target attributes and picked at run time, so one build is portable
 // across x86-64 machines (no -march=native).
@@ -87,7 +88,7 @@ struct Params {
   int max_rows;
   float* part_stats;  // [slots, max_rows, 2]: running max, sum
   float* part_acc;    // [slots, max_rows, D]
-  bool bf16_decode;   // bfloat16 items of at most 8 query rows take cpu_attention_bf16.h's path
+  bool bf16;          // bfloat16 items take cpu_attention_bf16.h's (<= 8 query rows) or _bf16_prefill.h's path
 };
 
 template <typename T>
@@ -386,6 +387,7 @@ BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) 
 }  // namespace
 
 #include "cpu_attention_bf16.h"
+#include "cpu_attention_bf16_prefill.h"
 
 namespace {
 
@@ -394,7 +396,7 @@ BR_INLINE void work(const Params& P, std::atomic<int>& next, float* ws) {
   for (int i = next.fetch_add(1, std::memory_order_relaxed); i < P.nitems;
        i = next.fetch_add(1, std::memory_order_relaxed)) {
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> && DT > 0 && V == 16)
-      if (P.bf16_decode && decode_bf16<DT>(P, P.items[i], ws)) continue;
+      if (P.bf16 && (decode_bf16<DT>(P, P.items[i], ws) || prefill_bf16<DT>(P, P.items[i], ws))) continue;
     run_item<T, KT, DT, V>(P, P.items[i], ws);
   }
 }
@@ -637,7 +639,7 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   const Dtype dt = st == ScalarType::Float ? F32 : st == ScalarType::BFloat16 ? BF16 : F16;
   const int64_t best = attention_isa();  // 3: AVX-512 with the bfloat16 path
   const int use_isa = static_cast<int>(isa < 0 ? best : std::min(isa, best));
-  P.bf16_decode = use_isa == 3;
+  P.bf16 = use_isa == 3;
   const size_t ws_floats = scratch_floats(max_rows, static_cast<int>(D));
   std::atomic<int> next{0};
   const int64_t nworkers = std::min<int64_t>(nthreads, P.nitems);

@@ -29,6 +29,37 @@ inline bool cpu_has_avx512_bf16() {
 
 alignas(64) const uint16_t kZeroRow[128] = {};  // the rows of a short tile past its last key (D <= 128)
 
+// Where one sequence's K and V rows of one KV head lie: locate() fills the row pointers of keys [k0, k0 + n)
+// of a 16-key tile, kZeroRow past n (block ids were checked against the cache before the parallel region).
+struct KvRows {
+  const int32_t* table;
+  int bs;
+  const uint16_t* k;  // the caches, offset to the head
+  const uint16_t* v;
+  int64_t ks0, ks1, vs0, vs1;
+  KvRows(const Params& P, int b, int h)
+      : table(P.bt + static_cast<int64_t>(b) * P.bts0), bs(P.bs),
+        k(static_cast<const uint16_t*>(P.k) + static_cast<int64_t>(h) * P.ks2),
+        v(static_cast<const uint16_t*>(P.v) + static_cast<int64_t>(h) * P.vs2),
+        ks0(P.ks0), ks1(P.ks1), vs0(P.vs0), vs1(P.vs1) {}
+  BR_INLINE void locate(int k0, int n, const uint16_t** kr, const uint16_t** vr) const {
+    int bi = k0 / bs, off = k0 - bi * bs;
+    int64_t blk = table[bi];
+    for (int j = 0; j < 16; ++j, ++off) {
+      if (j >= n) {
+        kr[j] = vr[j] = kZeroRow;
+        continue;
+      }
+      if (off == bs) {
+        blk = table[++bi];
+        off = 0;
+      }
+      kr[j] = k + blk * ks0 + off * ks1;
+      vr[j] = v + blk * vs0 + off * vs1;
+    }
+  }
+};
+
 // in[j] lane l -> out[l] lane j, 32-bit elements
 BR_BF16_ATTN BR_INLINE void transpose16(const __m512i* in, __m512i* out) {
   __m512i t[16], u[16];
@@ -123,38 +154,19 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
     lsum[r] = _mm512_setzero_ps();
   }
 
-  const uint16_t* kc = static_cast<const uint16_t*>(P.k);
-  const uint16_t* vc = static_cast<const uint16_t*>(P.v);
-  const int32_t* table = P.bt + static_cast<int64_t>(b) * P.bts0;
-  const int bs = P.bs, window = P.window;
-  const int64_t koff = static_cast<int64_t>(h) * P.ks2, voff = static_cast<int64_t>(h) * P.vs2;
+  const int window = P.window;
+  const KvRows rows_of(P, b, h);
   const uint16_t* kp[2][16];
   const uint16_t* vp[2][16];
-  auto locate = [&](int k0, int n, const uint16_t** kr, const uint16_t** vr) {
-    int bi = k0 / bs, off = k0 - bi * bs;
-    int64_t blk = table[bi];
-    for (int j = 0; j < 16; ++j, ++off) {
-      if (j >= n) {
-        kr[j] = vr[j] = kZeroRow;
-        continue;
-      }
-      if (off == bs) {
-        blk = table[++bi];
-        off = 0;
-      }
-      kr[j] = kc + blk * P.ks0 + off * P.ks1 + koff;
-      vr[j] = vc + blk * P.vs0 + off * P.vs1 + voff;
-    }
-  };
   const int row_bytes = DT * 2;
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 scale = _mm512_set1_ps(P.scale), ninf = _mm512_set1_ps(NEG_INF);
-  if (it.k0 < it.k1) locate(it.k0, std::min(16, it.k1 - it.k0), kp[0], vp[0]);
+  if (it.k0 < it.k1) rows_of.locate(it.k0, std::min(16, it.k1 - it.k0), kp[0], vp[0]);
   int cur = 0;
   for (int k0 = it.k0; k0 < it.k1; k0 += 16, cur ^= 1) {
     const int n = std::min(16, it.k1 - k0);
     const int nn = k0 + 16 < it.k1 ? std::min(16, it.k1 - k0 - 16) : 0;
-    if (nn > 0) locate(k0 + 16, nn, kp[cur ^ 1], vp[cur ^ 1]);
+    if (nn > 0) rows_of.locate(k0 + 16, nn, kp[cur ^ 1], vp[cur ^ 1]);
 
     // scores: lane j of s[r] is q_r . k_j
     __m512 s[R][A];
