@@ -252,6 +252,9 @@ class JobLock:
             self.log(f"batchrun: could not remove {self.url}: {e}")
         finally:
             self._io.release()
+        t = self._thread             # stopped: it exits at its next wake-up, which _stop makes immediate
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=wait_s)
 
     def read(self) -> Optional[dict]:
         """The current lock record, None when no run holds the lock (for `batchrun status`)."""
