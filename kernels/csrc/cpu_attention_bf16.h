@@ -6,9 +6,11 @@
 // each vector holds one pair of all 16 keys; VDPBF16PS then adds q's pair (broadcast) times it into 16 float
 // lanes, one key per lane: one instruction per pair and row, no horizontal sums (products of two bfloat16
 // are exact in float, as in the reference's float einsum). The softmax runs on those 16 lanes (one vector
-// exp per row and tile; the running sum kept per lane, added up once at the end), and p @ V accumulates in
-// float with V widened to float, as the generic path does. The generic loops of cpu_attention.cpp spent
-// ~0.5 us per 16-key tile at 4 query rows (Zen 4) converting tiles into scratch and summing lanes.
+// exp per row and tile, the rows' rescale factors in one more; the running sum kept per lane, added up once
+// at the end). p @ V runs on VDPBF16PS too: V's rows interleaved in key pairs by two 16-bit unpacks per 32
+// dims, p rounded to bfloat16 for this product as torch's CPU flash attention and llama.cpp round it; the
+// accumulator stays in float. The generic loops of cpu_attention.cpp spent ~0.5 us per 16-key tile at 4
+// query rows (Zen 4) converting tiles into scratch and summing lanes.
 #pragma once
 
 #ifdef BR_X86_DISPATCH
@@ -87,38 +89,68 @@ BR_BF16_ATTN BR_INLINE void transpose16(const __m512i* in, __m512i* out) {
   }
 }
 
-BR_BF16_ATTN BR_INLINE __m512 widen_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+// exp(x) for x <= 0 (-inf included: 0) to ~4e-5 relative, enough for p that is rounded to bfloat16 (2^-9)
+// next: 2^(x log2 e) = 2^n 2^f, |f| <= 1/2, 2^f by its degree-4 Taylor polynomial; exp(0) is exactly 1
+BR_BF16_ATTN BR_INLINE __m512 exp_for_bf16(__m512 x) {
+  const __m512 y = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-110.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(9.6181291076284772e-03f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910072e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);  // 2^n below -149: 0
 }
 
-// acc rows [r0, r0 + NR) x float vectors [c0, c0 + CV) = acc * alpha + p @ V over the tile's n keys
-template <int NR, int CV>
-BR_BF16_ATTN BR_INLINE void pv_tile(float* acc, int DT, int r0, int c0, const float* alpha, const float* pbuf,
-                                    const uint16_t* const* vrow, int n, const uint16_t* const* vnext, int nn,
+// acc rows [r0, r0 + NR) x float vectors [c0, c0 + 4) = acc * alpha + p @ V over the tile's 8 key pairs, on
+// VDPBF16PS: rows 2j and 2j + 1 of V interleaved by 16-bit unpacks, so vector 2k (2k + 1) of a row holds dims
+// 32k + {0-3, 8-11, 16-19, 24-27} ({4-7, ...}): unpermute_acc puts them back in order at the end. pb: each
+// row's 16 p as bf16.
+template <int NR>
+BR_BF16_ATTN BR_INLINE void pv_tile(float* acc, int DT, int r0, int c0, const float* alpha, const uint16_t* pb,
+                                    const uint16_t* const* vrow, const uint16_t* const* vnext, int nn,
                                     int row_bytes) {
-  __m512 a[NR][CV];
+  __m512 a[NR][4];
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < CV; ++c)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
       a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * DT + (c0 + c) * 16), _mm512_set1_ps(alpha[r0 + r]));
-  for (int j = 0; j < n; ++j) {
-    if (j < nn && r0 == 0 && c0 == 0)  // the next tile's V row, one row per key read here
-      for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(vnext[j]) + b, 0, 1);
-    __m512 v[CV];
 #pragma GCC unroll 8
-    for (int c = 0; c < CV; ++c) v[c] = widen_bf16(vrow[j] + (c0 + c) * 16);
+  for (int j = 0; j < 8; ++j) {
+    if (r0 == 0 && c0 == 0)  // the next tile's V rows, two per pair read here
+      for (int i = 2 * j; i < 2 * j + 2 && i < nn; ++i)
+        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(vnext[i]) + b, 0, 1);
+    const __m512i x0 = _mm512_loadu_si512(vrow[2 * j] + c0 * 16), y0 = _mm512_loadu_si512(vrow[2 * j + 1] + c0 * 16);
+    const __m512i x1 = _mm512_loadu_si512(vrow[2 * j] + c0 * 16 + 32);
+    const __m512i y1 = _mm512_loadu_si512(vrow[2 * j + 1] + c0 * 16 + 32);
+    const __m512i v[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                          _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      const __m512 p = _mm512_set1_ps(pbuf[(r0 + r) * 16 + j]);
-#pragma GCC unroll 8
-      for (int c = 0; c < CV; ++c) a[r][c] = _mm512_fmadd_ps(p, v[c], a[r][c]);
+      int32_t pp;
+      std::memcpy(&pp, pb + (r0 + r) * 16 + 2 * j, sizeof pp);
+      const __m512bh p2 = (__m512bh)_mm512_set1_epi32(pp);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)v[c], p2);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < CV; ++c) _mm512_storeu_ps(acc + (r0 + r) * DT + (c0 + c) * 16, a[r][c]);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (r0 + r) * DT + (c0 + c) * 16, a[r][c]);
+}
+
+// pv_tile's accumulator rows [R][DT] back in dimension order
+BR_BF16_ATTN BR_INLINE void unpermute_acc(float* acc, int R, int DT) {
+  const __m512i lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int i = 0; i < R * DT; i += 32) {
+    const __m512 a = _mm512_loadu_ps(acc + i), b = _mm512_loadu_ps(acc + i + 16);
+    _mm512_storeu_ps(acc + i, _mm512_permutex2var_ps(a, lo, b));
+    _mm512_storeu_ps(acc + i + 16, _mm512_permutex2var_ps(a, hi, b));
+  }
 }
 
 // One work item (R query rows, head_dim DT in {64, 128}); ws: scratch of at least R x (DT + 16) floats.
@@ -143,10 +175,11 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
     min_pos = std::min(min_pos, pos[r]);
     max_pos = std::max(max_pos, pos[r]);
   }
-  float* acc = ws;               // [R][DT]
-  float* pbuf = acc + R * DT;    // [R][16] the tile's probabilities
+  float* acc = ws;                                             // [R][DT], pv_tile's order until the end
+  uint16_t* pb = reinterpret_cast<uint16_t*>(acc + R * DT);    // [R][16] the tile's p as bf16
   std::fill(acc, acc + R * DT, 0.0f);
-  float m[R], alpha[R];
+  float m[R];
+  alignas(64) float alpha[16];
   __m512 lsum[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -196,35 +229,41 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
     // online softmax over the tile's 16 lanes; masked lanes (past the span, causal, window) are -inf
     const bool need_mask = n < 16 || k0 + n - 1 > min_pos || k0 <= max_pos - window;
     const __m512i kpos = _mm512_add_epi32(iota, _mm512_set1_epi32(k0));
+    alignas(64) float mold[16] = {};
+    float ms[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m512 x = s[r][0];
       if constexpr (A == 2) x = _mm512_add_ps(x, s[r][1]);
-      x = _mm512_mul_ps(x, scale);
       if (need_mask) {
         __mmask16 ok = _mm512_cmplt_epi32_mask(iota, _mm512_set1_epi32(n));
         ok &= _mm512_cmple_epi32_mask(kpos, _mm512_set1_epi32(pos[r]));
         ok &= _mm512_cmpgt_epi32_mask(kpos, _mm512_set1_epi32(pos[r] - window));
         x = _mm512_mask_mov_ps(ninf, ok, x);
       }
-      const float mx = std::max(m[r], _mm512_reduce_max_ps(x));
-      const float ms = mx == NEG_INF ? 0.0f : mx;  // nothing visible yet: every weight is 0
-      const float al = std::exp(m[r] - ms);
-      const __m512 pr = (__m512)vexp_nonpos<16>((VT<16>::f)_mm512_sub_ps(x, _mm512_set1_ps(ms)));
-      lsum[r] = _mm512_fmadd_ps(lsum[r], _mm512_set1_ps(al), pr);
-      alpha[r] = al;
+      s[r][0] = x;
+      const float mx = std::max(m[r], _mm512_reduce_max_ps(x) * P.scale);  // scale > 0: the max of the scaled
+      ms[r] = mx == NEG_INF ? 0.0f : mx;  // nothing visible yet: every weight is 0
+      mold[r] = m[r] - ms[r];
       m[r] = mx;
-      _mm512_storeu_ps(pbuf + r * 16, pr);
+    }
+    _mm512_store_ps(alpha, exp_for_bf16(_mm512_load_ps(mold)));  // the rows' rescale factors, one vector exp
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 pr = exp_for_bf16(_mm512_fmsub_ps(s[r][0], scale, _mm512_set1_ps(ms[r])));
+      lsum[r] = _mm512_fmadd_ps(lsum[r], _mm512_set1_ps(alpha[r]), pr);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + r * 16), (__m256i)_mm512_cvtneps_pbh(pr));
     }
 
     // acc = acc * alpha + p @ V, at most 4 rows x 4 vectors in registers at a time
     constexpr int NR0 = R < 4 ? R : 4, NR1 = R - NR0;
 #pragma GCC unroll 2
     for (int c0 = 0; c0 < NVC; c0 += 4) {
-      pv_tile<NR0, 4>(acc, DT, 0, c0, alpha, pbuf, vp[cur], n, vp[cur ^ 1], nn, row_bytes);
-      if constexpr (NR1 > 0) pv_tile<NR1, 4>(acc, DT, NR0, c0, alpha, pbuf, vp[cur], n, vp[cur ^ 1], 0, row_bytes);
+      pv_tile<NR0>(acc, DT, 0, c0, alpha, pb, vp[cur], vp[cur ^ 1], nn, row_bytes);
+      if constexpr (NR1 > 0) pv_tile<NR1>(acc, DT, NR0, c0, alpha, pb, vp[cur], vp[cur ^ 1], 0, row_bytes);
     }
   }
+  unpermute_acc(acc, R, DT);
 
   if (it.slot < 0) {
     c10::BFloat16* out = static_cast<c10::BFloat16*>(P.out);

@@ -14,20 +14,6 @@
 #ifdef BR_X86_DISPATCH
 namespace {
 
-// exp(x) for x <= 0 (-inf included: 0) to ~4e-5 relative, enough for p that is rounded to bfloat16 (2^-9)
-// next: 2^(x log2 e) = 2^n 2^f, |f| <= 1/2, 2^f by its degree-4 Taylor polynomial; exp(0) is exactly 1
-BR_BF16_ATTN BR_INLINE __m512 exp_for_bf16(__m512 x) {
-  const __m512 y = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-110.0f)), _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(9.6181291076284772e-03f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910072e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);  // 2^n below -149: 0
-}
-
 // Rows [r0, r0 + NR) against the tile: scores, online softmax; p (bf16) into pb, the running max m, the
 // per-lane sums ls [R][16] and this tile's rescale alpha. qb: the item's q rows [R][DT / 2] as bf16 pairs
 // (one base address for the broadcasts); pos: each row's position.
