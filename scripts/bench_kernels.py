@@ -75,7 +75,10 @@ def attention_case(label: str, qlens: list[int], ctxs: list[int]) -> None:
         seqs.append((q[qsl[i]:qsl[i + 1]].transpose(0, 1)[None], rep(k), rep(v), mask))
     ref = best_of(lambda: [F.scaled_dot_product_attention(a, b, c, attn_mask=m) for a, b, c, m in seqs], 1, 3)
     kv_bytes = sum(ctxs) * KV_HEADS * HEAD_DIM * 2 * 2
-    line = f"{label:22s} {ours * 1e3:8.3f} ms {kv_bytes / ours / 1e9:6.1f} GB/s   torch SDPA {ref * 1e3:8.3f} ms"
+    # q.k and p @ v over the keys each query sees (causal): decode is memory-bound, prefill compute-bound
+    flop = sum(ql * (c - ql) + ql * (ql + 1) / 2 for ql, c in zip(qlens, ctxs)) * HEADS * HEAD_DIM * 4
+    line = (f"{label:22s} {ours * 1e3:8.3f} ms {kv_bytes / ours / 1e9:6.1f} GB/s {flop / ours / 1e9:6.1f} GFLOP/s"
+            f"   torch SDPA {ref * 1e3:8.3f} ms")
     if cpu_attention.attention_isa() == "avx512_bf16":   # the generic loops beside the VDPBF16PS path
         gen = best_of(lambda: [cpu_attention.paged_attention(q, k, v, qsl, lens, tables, HEAD_DIM ** -0.5,
                                                              isa="avx512") for k, v in caches], LAYERS)
