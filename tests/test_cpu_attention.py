@@ -225,6 +225,9 @@ def test_rejects_bad_inputs():
         run(q.bfloat16(), kc, vc, qsl, [20, 30], bt, 0.1, None)
     with pytest.raises(RuntimeError, match="int32"):
         ca.paged_attention(q, kc, vc, torch.tensor(qsl), torch.tensor([20, 30], dtype=torch.int32), bt, 0.1)
+    for scale in (0.0, -0.1, float("nan")):     # the kernels take the scaled scores' max as scale x their max
+        with pytest.raises(RuntimeError, match="scale must be positive"):
+            run(q, kc, vc, qsl, [20, 30], bt, scale, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -505,6 +505,7 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   const KvType kv = kst == ScalarType::Float8_e4m3fn ? KV_E4M3 : kst == ScalarType::Float8_e5m2 ? KV_E5M2 : KV_SAME;
   BR_CHECK((kv != KV_SAME || kst == st) && v_cache.scalar_type() == kst,
            "q, k_cache, v_cache dtypes differ (the caches may be float8_e4m3fn or float8_e5m2 instead)");
+  BR_CHECK(std::isfinite(scale) && scale > 0, "scale must be positive, got ", scale);  // max(scale s) = scale max(s)
   BR_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
            "k_scale and v_scale must be positive");
   BR_CHECK(kv != KV_SAME || (k_scale == 1.0 && v_scale == 1.0), "k_scale and v_scale apply to float8 caches only");
