@@ -103,14 +103,60 @@ BR_BF16_ATTN BR_INLINE __m512 exp_for_bf16(__m512 x) {
   return _mm512_scalef_ps(p, n);  // 2^n below -149: 0
 }
 
-// acc rows [r0, r0 + NR) x float vectors [c0, c0 + 4) = acc * alpha + p @ V over the tile's 8 key pairs, on
-// VDPBF16PS: rows 2j and 2j + 1 of V interleaved by 16-bit unpacks, so vector 2k (2k + 1) of a row holds dims
-// 32k + {0-3, 8-11, 16-19, 24-27} ({4-7, ...}): unpermute_acc puts them back in order at the end. pb: each
-// row's 16 p as bf16.
-template <int NR>
-BR_BF16_ATTN BR_INLINE void pv_tile(float* acc, int DT, int r0, int c0, const float* alpha, const uint16_t* pb,
-                                    const uint16_t* const* vrow, const uint16_t* const* vnext, int nn,
-                                    int row_bytes) {
+// Pair j of the tile's V rows (keys 2j, 2j + 1) interleaved for VDPBF16PS, dims [16 c0, 16 c0 + 64): 16-bit
+// unpacks, so v[0] (v[1]) holds dims 16 c0 + {0-3, 8-11, 16-19, 24-27} ({4-7, ...}) of both rows and v[2], v[3]
+// the next 32 likewise: accumulators built on them are permuted so until unpermute_acc.
+BR_BF16_ATTN BR_INLINE void unpack_pair(const uint16_t* const* vrow, int j, int c0, __m512i* v) {
+  const __m512i x0 = _mm512_loadu_si512(vrow[2 * j] + c0 * 16), y0 = _mm512_loadu_si512(vrow[2 * j + 1] + c0 * 16);
+  const __m512i x1 = _mm512_loadu_si512(vrow[2 * j] + c0 * 16 + 32);
+  const __m512i y1 = _mm512_loadu_si512(vrow[2 * j + 1] + c0 * 16 + 32);
+  v[0] = _mm512_unpacklo_epi16(x0, y0);
+  v[1] = _mm512_unpackhi_epi16(x0, y0);
+  v[2] = _mm512_unpacklo_epi16(x1, y1);
+  v[3] = _mm512_unpackhi_epi16(x1, y1);
+}
+
+// pv_tile's source of V pairs when few rows use them (decode): unpacked from the rows as they are used, the
+// next tile's rows prefetched along the way (nn of them; 0: none)
+struct PairsFromRows {
+  const uint16_t* const* vrow;
+  const uint16_t* const* vnext;
+  int nn, row_bytes;
+  BR_BF16_ATTN BR_INLINE void operator()(int j, int c0, __m512i* v) const {
+    if (c0 == 0)
+      for (int i = 2 * j; i < 2 * j + 2 && i < nn; ++i)
+        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(vnext[i]) + b, 0, 1);
+    unpack_pair(vrow, j, c0, v);
+  }
+};
+
+// ... and when many rows do (prefill): unpacked once per tile into vpair [8][DT / 16] (store_pairs)
+struct StoredPairs {
+  const __m512i* vpair;
+  int nvc;  // DT / 16
+  BR_BF16_ATTN BR_INLINE void operator()(int j, int c0, __m512i* v) const {
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) v[c] = _mm512_load_si512(vpair + j * nvc + c0 + c);
+  }
+};
+template <int DT>
+BR_BF16_ATTN BR_INLINE void store_pairs(const uint16_t* const* vrow, __m512i* vpair) {
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j)
+#pragma GCC unroll 2
+    for (int c0 = 0; c0 < DT / 16; c0 += 4) {
+      __m512i v[4];
+      unpack_pair(vrow, j, c0, v);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) _mm512_store_si512(vpair + j * (DT / 16) + c0 + c, v[c]);
+    }
+}
+
+// acc rows [r0, r0 + NR) x float vectors [c0, c0 + 4) = acc * alpha + p @ V over the tile's 8 key pairs,
+// taken from pairs (PairsFromRows or StoredPairs); pb: each row's 16 p as bf16
+template <int DT, int NR, typename Pairs>
+BR_BF16_ATTN BR_INLINE void pv_tile(float* acc, int r0, int c0, const float* alpha, const uint16_t* pb,
+                                    const Pairs& pairs) {
   __m512 a[NR][4];
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r)
@@ -119,14 +165,8 @@ BR_BF16_ATTN BR_INLINE void pv_tile(float* acc, int DT, int r0, int c0, const fl
       a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * DT + (c0 + c) * 16), _mm512_set1_ps(alpha[r0 + r]));
 #pragma GCC unroll 8
   for (int j = 0; j < 8; ++j) {
-    if (r0 == 0 && c0 == 0)  // the next tile's V rows, two per pair read here
-      for (int i = 2 * j; i < 2 * j + 2 && i < nn; ++i)
-        for (int b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(vnext[i]) + b, 0, 1);
-    const __m512i x0 = _mm512_loadu_si512(vrow[2 * j] + c0 * 16), y0 = _mm512_loadu_si512(vrow[2 * j + 1] + c0 * 16);
-    const __m512i x1 = _mm512_loadu_si512(vrow[2 * j] + c0 * 16 + 32);
-    const __m512i y1 = _mm512_loadu_si512(vrow[2 * j + 1] + c0 * 16 + 32);
-    const __m512i v[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
-                          _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+    __m512i v[4];
+    pairs(j, c0, v);
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       int32_t pp;
@@ -142,7 +182,7 @@ BR_BF16_ATTN BR_INLINE void pv_tile(float* acc, int DT, int r0, int c0, const fl
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + (r0 + r) * DT + (c0 + c) * 16, a[r][c]);
 }
 
-// pv_tile's accumulator rows [R][DT] back in dimension order
+// accumulator rows [R][DT] built on unpack_pair's pairs back in dimension order
 BR_BF16_ATTN BR_INLINE void unpermute_acc(float* acc, int R, int DT) {
   const __m512i lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i hi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
@@ -153,7 +193,7 @@ BR_BF16_ATTN BR_INLINE void unpermute_acc(float* acc, int R, int DT) {
   }
 }
 
-// One work item (R query rows, head_dim DT in {64, 128}); ws: scratch of at least R x (DT + 16) floats.
+// One work item (R query rows, head_dim DT in {64, 128}); ws: scratch of at least R x (DT + 8) floats.
 template <int DT, int R>
 BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, const Item& it, float* ws) {
   constexpr int NB = DT / 32;    // 16 x 16 blocks of 32-bit pairs per K row
@@ -175,7 +215,7 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
     min_pos = std::min(min_pos, pos[r]);
     max_pos = std::max(max_pos, pos[r]);
   }
-  float* acc = ws;                                             // [R][DT], pv_tile's order until the end
+  float* acc = ws;                                             // [R][DT], unpack_pair's order until the end
   uint16_t* pb = reinterpret_cast<uint16_t*>(acc + R * DT);    // [R][16] the tile's p as bf16
   std::fill(acc, acc + R * DT, 0.0f);
   float m[R];
@@ -259,8 +299,8 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
     constexpr int NR0 = R < 4 ? R : 4, NR1 = R - NR0;
 #pragma GCC unroll 2
     for (int c0 = 0; c0 < NVC; c0 += 4) {
-      pv_tile<NR0>(acc, DT, 0, c0, alpha, pb, vp[cur], vp[cur ^ 1], nn, row_bytes);
-      if constexpr (NR1 > 0) pv_tile<NR1>(acc, DT, NR0, c0, alpha, pb, vp[cur], vp[cur ^ 1], 0, row_bytes);
+      pv_tile<DT, NR0>(acc, 0, c0, alpha, pb, PairsFromRows{vp[cur], vp[cur ^ 1], nn, row_bytes});
+      if constexpr (NR1 > 0) pv_tile<DT, NR1>(acc, NR0, c0, alpha, pb, PairsFromRows{vp[cur], vp[cur ^ 1], 0, row_bytes});
     }
   }
   unpermute_acc(acc, R, DT);

@@ -5,14 +5,19 @@
 // Both products run on VDPBF16PS (two bfloat16 products per float lane, twice the float FMA's work per
 // instruction). Scores: the tile's K is transposed once into 32-bit pairs (as the decode path does in
 // registers) and stored, then every block of 8 rows reads it, broadcasting q's pairs. p @ V: the tile's V rows
-// are interleaved in key pairs (lane d of pair j, vector c: v[2j][16c + d] low, v[2j + 1][16c + d] high) and
-// each row's probabilities, rounded to bfloat16 as torch's CPU flash attention and llama.cpp round them for
-// this product, are broadcast a pair at a time. Scores, the softmax's max and sum and the accumulator stay in
+// are interleaved in key pairs once (store_pairs; pv_tile is shared with decode) and each row's
+// probabilities, rounded to bfloat16 as torch's CPU flash attention and llama.cpp round them for this
+// product, are broadcast a pair at a time. Scores, the softmax's max and sum and the accumulator stay in
 // float. Row blocks whose queries all sit before the tile (the causal diagonal) skip it.
 #pragma once
 
 #ifdef BR_X86_DISPATCH
 namespace {
+
+// p rounded up to a 64-byte boundary (whole-vector scratch: a split vector store costs a second line)
+inline __m512i* align64(void* p) {
+  return reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
+}
 
 // Rows [r0, r0 + NR) against the tile: scores, online softmax; p (bf16) into pb, the running max m, the
 // per-lane sums ls [R][16] and this tile's rescale alpha. qb: the item's q rows [R][DT / 2] as bf16 pairs
@@ -66,37 +71,6 @@ BR_BF16_ATTN BR_INLINE void prefill_scores(const uint32_t* qb, const int* pos, i
   }
 }
 
-// acc rows [r0, r0 + NR) x float vectors [c0, c0 + CV) = acc * alpha + p @ V over the tile's 8 key pairs
-template <int DT, int NR, int CV>
-BR_BF16_ATTN BR_INLINE void prefill_pv(float* acc, int r0, int c0, const float* alpha, const uint16_t* pb,
-                                       const __m512i* vpair) {
-  constexpr int NVC = DT / 16;
-  __m512 a[NR][CV];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < CV; ++c)
-      a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * DT + (c0 + c) * 16), _mm512_set1_ps(alpha[r0 + r]));
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    __m512i v[CV];
-#pragma GCC unroll 8
-    for (int c = 0; c < CV; ++c) v[c] = _mm512_loadu_si512(vpair + j * NVC + c0 + c);
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      int32_t pp;
-      std::memcpy(&pp, pb + (r0 + r) * 16 + 2 * j, sizeof pp);
-      const __m512bh p2 = (__m512bh)_mm512_set1_epi32(pp);
-#pragma GCC unroll 8
-      for (int c = 0; c < CV; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], (__m512bh)v[c], p2);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < CV; ++c) _mm512_storeu_ps(acc + (r0 + r) * DT + (c0 + c) * 16, a[r][c]);
-}
-
 #define BR_ROWS_SWITCH(nr, CALL) \
   switch (nr) {                  \
     case 1: CALL(1); break;      \
@@ -110,7 +84,7 @@ BR_BF16_ATTN BR_INLINE void prefill_pv(float* acc, int r0, int c0, const float* 
   }
 
 // One work item of R > 8 rows, head_dim DT in {64, 128}. ws: scratch_floats(R, DT) floats, of which this uses
-// R (DT + 16 + 2 + 8 + DT / 2 + 1) + 16 DT (acc, ls, m and alpha, pb, qb, pos; kt and vpair)
+// R (DT + 16 + 2 + 8 + DT / 2 + 1) + 16 DT + 16 (acc, ls, m and alpha, pb, qb, pos; kt and vpair, aligned)
 template <int DT>
 BR_BF16_ATTN __attribute__((noinline)) void prefill_item_bf16(const Params& P, const Item& it, float* ws) {
   constexpr int NB = DT / 32, NVC = DT / 16;
@@ -120,11 +94,11 @@ BR_BF16_ATTN __attribute__((noinline)) void prefill_item_bf16(const Params& P, c
   const int pos0 = ctx - qlen + g.t0, min_pos = pos0, max_pos = pos0 + g.t1 - g.t0 - 1;
   const uint16_t* q = static_cast<const uint16_t*>(P.q) + static_cast<int64_t>(qbeg) * P.qs0;
 
-  float* acc = ws;                                                  // [R][DT]
+  float* acc = ws;                                                  // [R][DT], unpack_pair's order until the end
   float* ls = acc + R * DT;                                         // [R][16] per-lane running sums
   float* m = ls + R * 16;                                           // [R]
   float* alpha = m + R;                                             // [R]
-  __m512i* kt = reinterpret_cast<__m512i*>(alpha + R);             // [DT / 2] K pairs, keys across lanes
+  __m512i* kt = align64(alpha + R);                                 // [DT / 2] K pairs, keys across lanes
   __m512i* vpair = kt + DT / 2;                                     // [8][NVC] V rows interleaved in key pairs
   uint16_t* pb = reinterpret_cast<uint16_t*>(vpair + 8 * NVC);      // [R][16] the tile's p as bf16
   uint32_t* qb = reinterpret_cast<uint32_t*>(pb + R * 16);           // [R][DT / 2] q's rows as bf16 pairs
@@ -165,14 +139,7 @@ BR_BF16_ATTN __attribute__((noinline)) void prefill_item_bf16(const Params& P, c
 #pragma GCC unroll 16
       for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kt + blk * 16 + p, cols[p]);
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j)
-#pragma GCC unroll 8
-      for (int c = 0; c < NVC; ++c) {
-        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vp[cur][2 * j] + c * 16)));
-        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vp[cur][2 * j + 1] + c * 16)));
-        _mm512_storeu_si512(vpair + j * NVC + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
+    store_pairs<DT>(vp[cur], vpair);
 
     const bool need_mask = n < 16 || k0 + n - 1 > min_pos || k0 <= max_pos - window;
     for (int r0 = 0; r0 < R; r0 += 8) {
@@ -187,13 +154,14 @@ BR_BF16_ATTN __attribute__((noinline)) void prefill_item_bf16(const Params& P, c
       const int nr = std::min(4, R - r0);
       if (pos[r0 + nr - 1] < k0) continue;
       for (int c0 = 0; c0 < NVC; c0 += 4) {
-#define BR_PV(NR) prefill_pv<DT, NR, 4>(acc, r0, c0, alpha, pb, vpair)
+#define BR_PV(NR) pv_tile<DT, NR>(acc, r0, c0, alpha, pb, StoredPairs{vpair, NVC})
         BR_ROWS_SWITCH(nr, BR_PV)
 #undef BR_PV
       }
     }
   }
 
+  unpermute_acc(acc, R, DT);
   if (it.slot < 0) {
     c10::BFloat16* out = static_cast<c10::BFloat16*>(P.out);
     for (int r = 0; r < R; ++r) {
