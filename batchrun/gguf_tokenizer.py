@@ -26,7 +26,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.models import BPE
 
-from batchrun.tokenizer import Tokenizer, TokenizerError
+from batchrun.tokenizer_base import Tokenizer, TokenizerError
 
 SUPPORTED_MODELS = ("gpt2", "llama")
 _CONTROL, _USER_DEFINED = 3, 4   # llama.cpp token types (gguf.TokenType)

@@ -16,7 +16,7 @@ import torch
 
 from batchrun.gguf_header import cached_reader
 from batchrun.models.args import SUPPORTED_ARCHITECTURES
-from batchrun.models.loader import ModelError, ModelInfo, model_args
+from batchrun.models.model_info import ModelError, ModelInfo, model_args
 
 # GGUF general.architecture -> HF architecture; convert_hf_to_gguf writes Mistral as llama (plus a window)
 ARCHITECTURES = {short: hf for hf, short in SUPPORTED_ARCHITECTURES.items() if short != "mistral"}

@@ -1,7 +1,7 @@
 """GGUF weights kept quantized (quantization="gguf"): the linear layers take the file's own codes.
 
 - Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m), blocks of 32 along the input dim, map exactly onto the
-  group-32 int4 format of models/quant.py (w = (q - 8) s + z): s = d, z = 0 (Q4_0) or m + 8 d (Q4_1).
+  group-32 int4 format of models/quant_weights.py (w = (q - 8) s + z): s = d, z = 0 (Q4_0) or m + 8 d (Q4_1).
   The codes are the file's; d and m are fp16, so in a float32 model the weights equal gguf's dequantised
   values (m + 8 d is exact in float32 for the fp16 pairs a block holds); a bfloat16 model rounds s and z
   to bfloat16, since the kernels take them in the activation dtype.
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from batchrun.models.gguf import hf_name, open_reader, unpermute
-from batchrun.models.loader import ModelInfo, _fused_name
-from batchrun.models.quant import Int4Weight, kernels_enabled, linear_layers, quantize_int8, set_weight
+from batchrun.models.model_info import ModelInfo, fused_name
+from batchrun.models.quant_weights import Int4Weight, kernels_enabled, linear_layers, quantize_int8, set_weight
 
 BLOCK = 32
 INT4_TYPES = ("Q4_0", "Q4_1")
@@ -73,7 +73,7 @@ def layer_families(info: ModelInfo) -> dict[str, str]:
     """Our (fused) weight name -> _family of its file tensors; the header alone is read."""
     groups: dict[str, set[str]] = {}
     for hf, kind in _file_types(info).items():
-        groups.setdefault(_fused_name(hf)[0], set()).add(kind)
+        groups.setdefault(fused_name(hf)[0], set()).add(kind)
     return {name: _family(kinds) for name, kinds in groups.items()}
 
 
@@ -84,7 +84,7 @@ def keep_gguf_quantized(model: torch.nn.Module, info: ModelInfo, lm_head: bool, 
     types = _file_types(info)
     groups: dict[str, list[str]] = {}
     for hf in types:
-        name, _ = _fused_name(hf)
+        name, _ = fused_name(hf)
         groups.setdefault(name, []).append(hf)
     int4 = _file_int4_parts(info)
     use_kernel = kernels_enabled()
@@ -92,7 +92,7 @@ def keep_gguf_quantized(model: torch.nn.Module, info: ModelInfo, lm_head: bool, 
     layers = linear_layers(model, lm_head)
     tied = lm_head and getattr(model, "tie_word_embeddings", False)
     for name, mod in layers + ([("embed_tokens", None)] if tied else []):
-        srcs = sorted(groups.get(f"{name}.weight", []), key=lambda hf: _fused_name(hf)[1] or 0)
+        srcs = sorted(groups.get(f"{name}.weight", []), key=lambda hf: fused_name(hf)[1] or 0)
         family = _family({types[s] for s in srcs})
         if family == "int4":
             # the file's codes are read on the host: on the model's device Int4Weight takes that device's layout
