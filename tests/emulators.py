@@ -7,7 +7,7 @@
 Each fixture yields a `Store`: `url(prefix)`, `options(endpoint)` (storage_options as a job file holds
 them: credentials only as `${ENV_VAR}` references), `fs(endpoint)` (a fresh filesystem, like another
 process), `secrets` (what must never be printed or written) and `object_key(http_path)` (what a proxy
-in front of it calls the object a request is about). Azurite is found at $BATCHRUN_AZURITE (its
+in front of it calls the object a request is about). Azurite is found at $BATCHRUN_TEST_AZURITE (its
 `azurite-blob` script or main.js), on PATH, or where `.ci/run` installs it; without node or Azurite the
 Azure tests skip, saying so.
 """
@@ -184,7 +184,7 @@ def azurite_command() -> Optional[list]:
     node = shutil.which("node")
     if node is None:
         return None
-    for cand in (os.environ.get("BATCHRUN_AZURITE"), shutil.which("azurite-blob"), AZURITE_CACHE):
+    for cand in (os.environ.get("BATCHRUN_TEST_AZURITE"), shutil.which("azurite-blob"), AZURITE_CACHE):
         if cand and os.path.exists(cand):
             return [cand] if not cand.endswith(".js") else [node, cand]
     return None
@@ -201,7 +201,7 @@ def start_azure() -> Iterator[Store]:
     cmd = azurite_command()
     if cmd is None:
         raise Unavailable("Azurite needs node and the npm package azurite (.ci/run installs it; or set "
-                          "BATCHRUN_AZURITE to its azurite-blob script)" if shutil.which("node")
+                          "BATCHRUN_TEST_AZURITE to its azurite-blob script)" if shutil.which("node")
                           else "node is not installed: Azurite (the Azure Blob emulator) cannot run")
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"

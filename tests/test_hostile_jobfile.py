@@ -124,7 +124,7 @@ def test_set_value_not_yaml_names_the_key(d, tiny_model, value):  # noqa: F811
     ("engine..max_num_seqs=4", "an empty key name"),
     ("engine.max_num_seq=4", "did you mean max_num_seqs?"),
     ("engine.max_num_seqs=lots", "engine.max_num_seqs"),
-    ("output.storage_options.secret=${BATCHRUN_HOSTILE_UNSET}", "environment variable BATCHRUN_HOSTILE_UNSET"),
+    ("output.storage_options.secret=${BATCHRUN_TEST_HOSTILE_UNSET}", "environment variable BATCHRUN_TEST_HOSTILE_UNSET"),
 ])
 def test_bad_set_assignments(d, tiny_model, assignment, needle):  # noqa: F811
     fails(invoke("submit", job(d, tiny_model, "in"), "--set", assignment), 2, needle)

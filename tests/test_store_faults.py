@@ -81,10 +81,10 @@ def test_seeded_faults_job_equals_clean_run(store, reference, monkeypatch):
 # S3's outage: tests/test_object_store.py (test_permanent_failure_exits_74_naming_the_url_then_resubmit_resumes)
 @pytest.mark.parametrize("which", ["azure",
                                    pytest.param("gcs", marks=pytest.mark.skipif(
-                                       not os.environ.get("BATCHRUN_SLOW_TESTS"),
+                                       not os.environ.get("BATCHRUN_TEST_SLOW"),
                                        reason="gcsfs retries every call 6 times with fixed waits (~31 s in all, no "
                                               "option shortens them): an outage takes minutes to surface; "
-                                              "BATCHRUN_SLOW_TESTS=1 runs it"))])
+                                              "BATCHRUN_TEST_SLOW=1 runs it"))])
 def test_outage_exits_74_naming_the_url_then_resubmit_resumes(which, request, reference, tmp_path):
     """After two units are committed the store answers 503 to everything: `submit` (a real process)
     stops with exit 74, its last line naming the store URL and the last error; what was committed is
