@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -44,6 +44,12 @@ class EngineConfig:
         weights kept quantized); activations stay in `dtype`. torch's kernels on CPU, Triton's on CUDA.
     quantization_group_size: int4 group along the input dim: 32, 64 or 128 (it must divide every layer).
     quantize_lm_head: quantize the logits weight too (a tied model keeps its embedding for lookups).
+        quantization "w8a8": int8 weights per output channel and int8 activations per token, an int32 product
+        (models/w8a8.py), channels balanced by SmoothQuant (models/smoothquant.py) from a calibration pass.
+    quantization_calibration: the rows of that pass (models/calibration.py), which also sets an fp8 KV cache's
+        per-layer k_scale / v_scale: a row count (None: 256 for w8a8; for fp8 KV alone, no pass: scales 1.0)
+        taken from the job's prompts (an engine given none: the stdlib docstrings), or a file's path
+        (JSONL / Parquet / text, a prompt per row). Cached by model and rows ($BATCHRUN_CALIBRATION_CACHE).
     tensor_parallel_size: ranks one model is split over (models/tp.py): heads and MLP rows sharded, one
         process per rank (gloo on CPU: each rank gets threads / size cores; NCCL on CUDA: GPU r), rank 0 in
         the engine's process. 1: no split.
@@ -73,6 +79,7 @@ class EngineConfig:
     quantization: Optional[str] = None
     quantization_group_size: int = 128
     quantize_lm_head: bool = False
+    quantization_calibration: Union[int, str, None] = None
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
@@ -101,8 +108,11 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.quantization not in (None, "int8", "int4", "gguf"):
-            raise ValueError(f"quantization must be null, int8, int4 or gguf, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4", "gguf", "w8a8"):
+            raise ValueError(f"quantization must be null, int8, int4, gguf or w8a8, got {self.quantization!r}")
+        qc = self.quantization_calibration
+        if not (qc is None or (isinstance(qc, str) and qc) or (type(qc) is int and qc >= 1)):
+            raise ValueError(f"quantization_calibration must be a row count >= 1 or a file path, got {qc!r}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \

@@ -13,6 +13,7 @@ from batchrun.engine.runner import ModelRunner, build_tp_worker, resolve_device
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
 from batchrun.engine.speculative import NgramProposer, SeqSpecState, SpecConfig
+from batchrun.models.calibration import needs_calibration, resolve_rows
 from batchrun.models.loader import ModelError, inspect_model
 from batchrun.outputs import RequestMetrics, RequestOutput, SamplingParams
 
@@ -22,7 +23,9 @@ log = logging.getLogger("batchrun")
 class LLMEngine:
     """One engine replica over one model. Not thread-safe: drive it from one thread."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Any = None):
+    def __init__(self, config: EngineConfig, tokenizer: Any = None,
+                 calibration_rows: Optional[list[list[int]]] = None):
+        """calibration_rows: the job's prompts' token ids, which quantization_calibration's N rows come from."""
         # the knobs left None get the device's defaults (config.DEVICE_DEFAULTS)
         config = config.resolved(resolve_device(config.device).type)
         self.config = config
@@ -44,7 +47,13 @@ class LLMEngine:
             self.tp = TPGroup(config.tensor_parallel_size, resolve_device(config.device).type,
                               functools.partial(build_tp_worker, config, info, max_len))
         try:
-            self.runner = ModelRunner(config, info, max_len, tp=self.tp,
+            rows = None
+            if needs_calibration(config):       # quantization_calibration's rows (models/calibration.py)
+                try:
+                    rows = resolve_rows(config.quantization_calibration, tokenizer.encode, calibration_rows)
+                except ValueError as e:
+                    raise ModelError(str(e)) from None
+            self.runner = ModelRunner(config, info, max_len, tp=self.tp, calibration_rows=rows,
                                       tp_group=self.tp.cmd_group if self.tp else None)
         except BaseException as e:
             if self.tp is not None:

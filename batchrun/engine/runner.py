@@ -26,6 +26,7 @@ from batchrun.models.cpu_linear import PACKED_LINEAR_ENV, pack_linear_weights, p
 from batchrun.models.llama import LlamaModel
 from batchrun.models.loader import ModelError, ModelInfo, load_weights
 from batchrun.models.quant import apply_quantization, check_quantization, kernels_enabled
+from batchrun.models.smoothquant import calibrate_model
 from batchrun.models.tp import apply_tensor_parallel, shard_args, weight_slice
 
 log = logging.getLogger("batchrun")
@@ -62,8 +63,9 @@ def apply_threads(config: EngineConfig, world: int = 1) -> int:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, info: ModelInfo, max_model_len: int, rank: int = 0,
-                 tp=None, tp_group=None):
-        """rank/tp_group: this process's tensor-parallel rank and the gloo group of the ranks (None: one
+                 tp=None, tp_group=None, calibration_rows=None):
+        """calibration_rows: token rows of the calibration pass (w8a8, fp8 KV scales).
+        rank/tp_group: this process's tensor-parallel rank and the gloo group of the ranks (None: one
         rank); tp: on rank 0, the TPGroup whose workers replay each forward and swap."""
         self.config = config
         self.world = config.tensor_parallel_size
@@ -94,7 +96,13 @@ class ModelRunner:
                      if self.world > 1 else None)
         self.model = model.eval()
         quant_bytes = 0
-        if self.quantization:      # weight-only int8/int4 linear layers (models/quant.py)
+        try:     # the calibration pass and what it sets: W8A8's int8 layers, fp8 KV scales (models/smoothquant.py)
+            self.calibration = calibrate_model(model, info, config, self.kv_dtype, calibration_rows)
+        except ValueError as e:
+            raise ModelError(str(e)) from e
+        if self.quantization == "w8a8":
+            quant_bytes = self.calibration.pop("quantized_bytes")
+        elif self.quantization:      # weight-only int8/int4 linear layers (models/quant.py)
             quant_bytes = apply_quantization(model, info, self.quantization, config.quantization_group_size,
                                              config.quantize_lm_head, self.dtype)
         self.quantized_bytes = quant_bytes
@@ -190,6 +198,7 @@ class ModelRunner:
             "fused_layer_ops": self.fused_layer_ops, "decoder_layer_op": self.decoder_layer_op,
             "quantization": self.quantization, "quantized_bytes": self.quantized_bytes,
             "quant_kernels": bool(self.quantization) and kernels_enabled(),
+            "calibration": self.calibration,     # rows, cache, fp8 KV scales, w8a8's kernel per row bucket
         }
 
     def _prepare(self, entries: list[ScheduledSeq]):

@@ -21,7 +21,7 @@ from batchrun.models.quant_weights import (INT4_KERNEL_ROWS, INT8_KERNEL_ROWS, Q
                                            Int4Weight, Int8Weight, QuantizedWeight, kernels_enabled, linear_layers,
                                            quantize_int4, quantize_int8, quantize_weight, set_weight)
 
-MODES = ("int8", "int4", "gguf")
+MODES = ("int8", "int4", "gguf", "w8a8")     # w8a8: models/w8a8.py, applied by models/smoothquant.py
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -64,6 +64,8 @@ def check_quantization(mode: Optional[str], group: int, info, device: torch.devi
         raise ValueError(f"quantization: 'gguf' keeps a GGUF file's quantized weights; {info.path} is not GGUF")
     if mode == "int4":
         check_group_size(info.config, group)
+    if mode == "w8a8" and device.type != "cpu":
+        raise ValueError(f"quantization: 'w8a8' runs on CPU (device {device.type})")
 
 
 def quantized_nbytes(kind: str, n: int, k: int, group: int, dtype: torch.dtype) -> int:
@@ -71,6 +73,8 @@ def quantized_nbytes(kind: str, n: int, k: int, group: int, dtype: torch.dtype) 
     elem = torch.empty((), dtype=dtype).element_size()
     if kind == "int8":
         return n * k + n * elem                                   # codes, one scale per output channel
+    if kind == "w8a8":
+        return n * k + 4 * n                                      # codes, a float32 scale per output channel
     npad = -(-n // INT4_ROW_BLOCK) * INT4_ROW_BLOCK
     return npad * k // 2 + (k // group) * npad * 2 * elem        # two codes a byte, (scale, zero) per group
 

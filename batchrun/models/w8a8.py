@@ -1,0 +1,166 @@
+"""W8A8 linear layers (quantization="w8a8"): int8 weights and int8 activations, an int32 product.
+
+Weights: per output channel, symmetric (w = q * scale, q in [-127, 127]). Activations: per token (row), dynamic,
+symmetric: x = qx * sx with sx = max|x_row| / 127. So y[m, n] = sx[m] * scale[n] * sum_k qx[m, k] q[n, k]: the
+sum is exact in int32, both scales come out of it. SmoothQuant (models/smoothquant.py) balances the channels
+before the weights are quantized; a projection whose input has no norm to fold the factors into divides x by
+them here (`smooth`), or takes none.
+
+The int32 product has more than one implementation in torch; which one runs for a row count is measured at
+quantize time on the model's own shapes (choose_kernels: one kernel per row-count bucket, kernel_choice()
+says which for the log and the ledger):
+- "int_mm": torch._int_mm(qx, q.T) with q.T stored K-major (contiguous [K, N]), ~4x faster on CPU than the
+  transposed view of [N, K] (oneDNN s8s8s32 under the hood where it has it).
+- "onednn": torch.ops.onednn.qlinear_pointwise on a qlinear_prepack'ed weight, activations shifted to uint8
+  with zero point 128 (oneDNN's u8s8 form: VNNI/AMX-INT8; its s8 activations take a reference path ~200x slower).
+- "float": the reference and the fallback that runs anywhere: the same integer math as float32 matmuls
+  (exact while a row's sum stays under 2^24, i.e. always but at the extremes), and what runs under
+  BATCHRUN_QUANT_KERNELS=0.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+
+from batchrun.models.quant import QuantizedWeight
+
+KERNELS = ("int_mm", "onednn", "float")
+# row-count buckets: a product of m rows uses the kernel chosen for the first bucket >= m (the last beyond)
+BUCKETS = (1, 16, 64, 256, 2048)
+MEASURE_MAX_ROWS = 512        # the 2048 bucket is timed at this many rows: the cost per row is flat by then
+
+
+def quantize_rows(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None):
+    """x [M, K] (any float dtype) -> (qx int8 [M, K], sx float32 [M, 1]) with x ~ qx * sx, per row symmetric;
+    with inv_smooth [K], of x * inv_smooth (SmoothQuant's run-time division). An all-zero row gets sx = 1."""
+    x = x.float() if inv_smooth is None else x.float() * inv_smooth
+    sx = x.abs().amax(dim=-1, keepdim=True) / 127
+    sx = torch.where(sx > 0, sx, torch.ones_like(sx))
+    return torch.round(x / sx).clamp_(-127, 127).to(torch.int8), sx
+
+
+def quantize_w8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K], scale float32 [N]): per output channel symmetric, round to nearest."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+class W8A8Weight(QuantizedWeight):
+    """qt int8 [K, N] (the codes K-major), scales float32 [N], optional inv_smooth float32 [K] (x is multiplied
+    by it before its quantization); linear(x, b) = x @ w.T + b in x's dtype, through the measured kernel."""
+
+    kind = "w8a8"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None,
+                 use_kernel: bool = True):
+        super().__init__(use_kernel)
+        self.qt = q.t().contiguous()
+        self.scales = scales.float().contiguous()
+        self.inv_smooth = None if inv_smooth is None else inv_smooth.float().contiguous()
+        self.shape = tuple(q.shape)
+        self.per_bucket = ("int_mm",) * len(BUCKETS)     # choose_kernels replaces it by measured choices
+        self._onednn = None                                # qlinear_prepack'ed codes, when a bucket uses them
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the product applies to the original x: q * scale, times inv_smooth along K."""
+        w = self.qt.t().float() * self.scales[:, None]
+        return (w if self.inv_smooth is None else w * self.inv_smooth).to(dtype)
+
+    def kernel_for(self, rows: int) -> str:
+        if not self.use_kernel:
+            return "float"
+        return self.per_bucket[next((i for i, b in enumerate(BUCKETS) if rows <= b), len(BUCKETS) - 1)]
+
+    def product(self, qx: torch.Tensor, sx: torch.Tensor, kernel: str) -> torch.Tensor:
+        """qx int8 [M, K], sx [M, 1] -> float32 [M, N] = sx * scales * (qx @ q.T) by `kernel`."""
+        if kernel == "int_mm":
+            acc = torch._int_mm(qx, self.qt)
+        elif kernel == "onednn":
+            if self._onednn is None:
+                self._onednn = torch.ops.onednn.qlinear_prepack(self.qt.t().contiguous(), None)
+            zp = torch.zeros(self.shape[0], dtype=torch.int64)
+            u8 = (qx.to(torch.int16) + 128).to(torch.uint8)
+            return torch.ops.onednn.qlinear_pointwise(u8, 1.0, 128, self._onednn, self.scales, zp, None, 1.0, 0,
+                                                      torch.float32, "none", [], "").mul_(sx)
+        else:
+            acc = qx.float() @ self.qt.float()
+        return (acc * self.scales).mul_(sx)
+
+    def linear(self, x: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        qx, sx = quantize_rows(x2, self.inv_smooth)
+        y = self.product(qx, sx, self.kernel_for(x2.shape[0])).to(x.dtype).view(*x.shape[:-1], self.shape[0])
+        return y if b is None else y + b
+
+    def tensors(self) -> list[torch.Tensor]:
+        extra = [self.inv_smooth] if self.inv_smooth is not None else []
+        return [self.qt, self.scales] + extra + ([self._onednn] if self._onednn is not None else [])
+
+
+def _candidates() -> list[str]:
+    """The kernels that run on this machine (each tried once on a small product, compared with "float")."""
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    w = W8A8Weight(q, torch.ones(32))
+    qx, sx = quantize_rows(torch.randn(4, 64))
+    ref = w.product(qx, sx, "float")
+    ok = []
+    for k in KERNELS[:-1]:
+        try:
+            if torch.allclose(w.product(qx, sx, k), ref, rtol=1e-6, atol=0):
+                ok.append(k)
+        except (RuntimeError, NotImplementedError):      # not built into this torch / CPU
+            pass
+    w._onednn = None
+    return ok + ["float"]
+
+
+def _time(fn, budget_s: float) -> float:
+    fn()
+    best, t0 = float("inf"), time.perf_counter()
+    for _ in range(3):
+        s = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - s)
+        if time.perf_counter() - t0 > budget_s:
+            break
+    return best
+
+
+def choose_kernels(weights: list[W8A8Weight], budget_s: float = 0.5) -> dict[int, str]:
+    """Time each candidate kernel on every distinct weight shape (weighted by how many layers have it) at
+    each bucket's row count, and give every weight the fastest per bucket. Bounded: each timing stops after
+    its share of budget_s. Returns {bucket: kernel}."""
+    if not weights:
+        return {}
+    shapes: dict[tuple, list[W8A8Weight]] = {}
+    for w in weights:
+        shapes.setdefault(w.shape, []).append(w)
+    cands = _candidates()
+    share = budget_s / max(1, len(shapes) * len(BUCKETS) * len(cands))
+    chosen = []
+    for rows in BUCKETS:
+        m = min(rows, MEASURE_MAX_ROWS)
+        cost = dict.fromkeys(cands, 0.0)
+        for shape, ws in shapes.items():
+            qx, sx = quantize_rows(torch.randn(m, shape[1]))
+            for k in cands:
+                cost[k] += len(ws) * _time(lambda: ws[0].product(qx, sx, k), share)
+        chosen.append(min(cost, key=cost.get))
+    for w in weights:
+        w.per_bucket = tuple(chosen)
+        if "onednn" not in chosen:
+            w._onednn = None
+    return dict(zip(BUCKETS, chosen))
+
+
+def kernel_choice(model: nn.Module) -> dict[int, str]:
+    """{bucket: kernel} of the model's W8A8 projections (empty when it has none): for the log and ledger."""
+    w = next((m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), W8A8Weight)), None)
+    if w is None:
+        return {}
+    return {b: w.kernel_for(b) for b in BUCKETS}
