@@ -7,7 +7,9 @@ kept quantized / a float8 KV cache (kv_cache_dtype fp8_e4m3, fp8_e5m2: with bf16
 weights, whose rows isolate the cache's own loss): weight bytes (the engine's memory ledger), KV bytes per token, decode tok/s at batch 1, 16
 and 64 (output tokens of a max_tokens=1+N run minus a max_tokens=1 run, so prefill is left out), and quality
 against the float32 model on stdlib docstrings (batchrun.demo_docstrings), teacher-forced: top-1 agreement
-of the next-token argmax and the perplexity ratio. --rows also times every linear layer of SmolLM2's shapes
+of the next-token argmax and the perplexity ratio, against bf16 too; format compliance (the share of valid
+JSON answers, scripts/quant_quality.py) and prefill tok/s. w8a8 and the calibrated fp8 KV cache take
+held-out docstrings as quantization_calibration. --rows also times every linear layer of SmolLM2's shapes
 at a sweep of row counts, each way quant.py can take: the figures behind INT8_KERNEL_ROWS and INT4_KERNEL_ROWS.
 
     python scripts/bench_quant.py [--quick] [--rows] [--models smollm2,llama50m] [--configs bf16,kv]
@@ -56,7 +58,15 @@ def configs(path: str) -> dict[str, dict]:
     for kv in ("fp8_e4m3", "fp8_e5m2"):
         out[f"kv {kv}"] = {"kv_cache_dtype": kv}
         out[f"fp32 kv {kv}"] = {"kv_cache_dtype": kv, "dtype": "float32"}
+    # calibrated on held-out docstrings (CALIB: quant_quality.calibration_file); "_unfolded": SmoothQuant's
+    # o_proj/down_proj mode (models/smoothquant.py UNFOLDED), both measured
+    out["kv fp8_e4m3 cal"] = {"kv_cache_dtype": "fp8_e4m3", "quantization_calibration": CALIB}
+    out["w8a8"] = {"quantization": "w8a8", "quantization_calibration": CALIB, "_unfolded": "runtime"}
+    out["w8a8 o/down plain"] = {"quantization": "w8a8", "quantization_calibration": CALIB, "_unfolded": "none"}
     return out
+
+
+CALIB = "<held-out docstrings>"
 
 
 def _refused(check, *args) -> bool:
@@ -134,24 +144,42 @@ def bench_model(name: str, path: str, args) -> None:
     ntok = sum(len(c) - 1 for c in chunks)
     print(f"\n{name}: {path}\nquality over {ntok} docstring tokens against float32 (ppl {math.exp(ref_nll):.2f}); "
           f"decode: {args.new_tokens} tokens after 32-token prompts")
-    print(f"{'config':<16}{'weights MiB':>12}{'KV B/tok':>9}" + "".join(f"{'tok/s b' + str(b):>12}" for b in args.batches)
-          + f"{'b1 vs bf16':>11}{'top-1':>8}{'ppl ratio':>10}")
-    base = None
+    print("vs fp32: top-1 and ppl ratio against float32; vs bf16: the same against the bf16 row (run first); "
+          "JSON: valid answers of quant_quality.json_prompts(); prefill: 16 x 256-token prompts")
+    print(f"{'config':<18}{'weights MiB':>12}{'KV B/tok':>9}" + "".join(f"{'tok/s b' + str(b):>12}" for b in args.batches)
+          + f"{'b1 vs bf16':>11}{'top-1':>8}{'ppl ratio':>10}{'top-1 bf16':>11}{'ppl/bf16':>9}{'JSON':>7}"
+          + f"{'prefill t/s':>12}")
+    import quant_quality as qq
+    from batchrun.models import smoothquant
+    calib = qq.calibration_file(skip_docs=400)
+    base = bf16 = None
     for label, kw in configs(path).items():
-        if args.configs and not any(label.startswith(c) for c in args.configs):
+        if args.configs and label != "bf16" and not any(label.startswith(c) for c in args.configs):
             continue
+        kw = {k: (calib if v == CALIB else v) for k, v in kw.items()}
+        smoothquant.UNFOLDED = kw.pop("_unfolded", smoothquant.UNFOLDED)
         llm = LLM(path, **{"dtype": "bfloat16", **common, **kw})
         led = llm.engine.memory_ledger
+        if led.get("calibration"):
+            c = led["calibration"]
+            print(f"  {label}: calibration {c['rows']} rows / {c['tokens']} tokens (cached: {c['cached']})"
+                  + (f", w8a8 kernels {c['w8a8_kernels']}" if "w8a8_kernels" in c else ""))
         tps = [decode_tps(llm, b, args.new_tokens, vocab) for b in args.batches]
         base = base or (tps[0] if tps else None)
         tops, nll = teacher_forced(llm, chunks)
+        bf16 = bf16 or (tops, nll)
         agree = sum((a == b).sum().item() for a, b in zip(tops, ref_top)) / ntok
-        print(f"{label:<16}{led['weights_bytes'] / 2**20:>12.1f}{led['kv_bytes_per_token']:>9}"
+        agree16 = sum((a == b).sum().item() for a, b in zip(tops, bf16[0])) / ntok
+        valid = qq.json_validity(llm)[0] if args.json else float("nan")
+        pre = qq.prefill_tps(llm, vocab) if args.batches else float("nan")
+        print(f"{label:<18}{led['weights_bytes'] / 2**20:>12.1f}{led['kv_bytes_per_token']:>9}"
               + "".join(f"{t:>12.1f}" for t in tps)
               + (f"{tps[0] / base:>10.2f}x" if tps else f"{'-':>11}")
-              + f"{agree:>8.1%}{math.exp(nll - ref_nll):>10.4f}", flush=True)
+              + f"{agree:>8.1%}{math.exp(nll - ref_nll):>10.4f}{agree16:>11.1%}{math.exp(nll - bf16[1]):>9.4f}"
+              + f"{valid:>7.1%}{pre:>12.1f}", flush=True)
         del llm
         gc.collect()
+    os.unlink(calib)
 
 
 def rows_sweep(rows: list[int], reps: int) -> None:
@@ -191,6 +219,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens, batches 1 and 16: a smoke run")
     ap.add_argument("--rows", action="store_true", help="also the kernel-vs-dequantise sweep over row counts")
     ap.add_argument("--models", default="smollm2,llama50m")
+    ap.add_argument("--no-json", dest="json", action="store_false", help="skip the JSON compliance layer")
     ap.add_argument("--configs", default="", help="only the rows whose label starts with one of these (comma-"
                     "separated: bf16,kv,fp32)")
     ap.add_argument("--batches", default="", help="decode batch sizes, e.g. 1,16,64 (default: 1,16,64; --quick 1,16); "

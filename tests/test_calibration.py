@@ -129,3 +129,32 @@ def test_fp8_kv_scales_from_calibration(hf_models, tmp_path, monkeypatch):
     plain = _llm(path, kv_cache_dtype="fp8_e4m3")
     assert plain.engine.runner.model.layers[0].self_attn.k_scale == 1.0
     assert plain.engine.memory_ledger["calibration"] is None
+
+
+def test_job_rows_are_the_first_prompts(tmp_path, job_model):
+    """A job's quantization_calibration N: the first 4 N rendered prompts (the template filled, tokenized as
+    the pipeline does); a file path or no calibration: none from the job."""
+    from jobutil import prompt_rows, write_job, write_parquet_files
+    from batchrun.job.calibration_rows import job_calibration_rows
+    from batchrun.job.plan import make_plan
+    from batchrun.job.spec import load_job
+    rows = prompt_rows(50)
+    write_parquet_files(str(tmp_path / "in"), rows, files=2)
+    job = write_job(str(tmp_path / "job.yaml"), job_model, str(tmp_path / "in"), str(tmp_path / "out"),
+                    engine__quantization="w8a8", engine__quantization_calibration=3)
+    plan = make_plan(load_job(job))
+    got = job_calibration_rows(plan)
+    assert got == [plan.tokenizer.encode(f"Q: {r['text']}") for r in rows[:12]]
+    plain = write_job(str(tmp_path / "plain.yaml"), job_model, str(tmp_path / "in"), str(tmp_path / "out2"))
+    assert job_calibration_rows(make_plan(load_job(plain))) is None
+
+
+def test_job_refuses_a_missing_calibration_file_at_plan(tmp_path, job_model):
+    from jobutil import prompt_rows, write_job, write_parquet_files
+    from batchrun.job.plan import make_plan
+    from batchrun.job.spec import JobError, load_job
+    write_parquet_files(str(tmp_path / "in"), prompt_rows(5), files=1)
+    job = write_job(str(tmp_path / "job.yaml"), job_model, str(tmp_path / "in"), str(tmp_path / "out"),
+                    engine__quantization="w8a8", engine__quantization_calibration=str(tmp_path / "no.jsonl"))
+    with pytest.raises(JobError, match=r"^engine\.quantization_calibration: no such file"):
+        make_plan(load_job(job))

@@ -35,6 +35,8 @@ def _quantization_fp(spec: JobSpec) -> dict[str, Any]:
     if e.kv_cache_dtype != "auto":
         from batchrun.kernels.kv_quant import KV_CACHE_DTYPES    # torch: only for a quantised KV cache
         kv = {"kv_cache_dtype": str(KV_CACHE_DTYPES[e.kv_cache_dtype]).removeprefix("torch.")}
+    if e.quantization_calibration is not None:      # its rows set w8a8's and fp8 KV's scales
+        kv["quantization_calibration"] = e.quantization_calibration
     if e.quantization is None:
         return kv
     return {"quantization": e.quantization, "quantize_lm_head": e.quantize_lm_head,

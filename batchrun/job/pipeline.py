@@ -29,12 +29,15 @@ READER_JOIN_S = 60.0      # a failed run waits this long for a unit read in flig
 __all__ = ["UnitPipeline", "Prepared", "default_engine", "READER_JOIN_S"]
 
 
-def default_engine(spec, tokenizer):
-    """The LLMEngine a job's model and engine sections describe (loads the weights)."""
+def default_engine(spec, tokenizer, plan=None):
+    """The LLMEngine a job's model and engine sections describe (loads the weights). plan: where
+    quantization_calibration's rows come from (the job's first prompts, job/calibration_rows.py)."""
     from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import LLMEngine
+    from batchrun.job.calibration_rows import job_calibration_rows
     cfg = EngineConfig(model=spec.model.path, dtype=spec.model.dtype, **spec.engine_kwargs())
-    return LLMEngine(cfg, tokenizer=tokenizer)
+    rows = job_calibration_rows(plan) if plan is not None else None
+    return LLMEngine(cfg, tokenizer=tokenizer, calibration_rows=rows)
 
 
 class UnitPipeline:

@@ -101,6 +101,12 @@ def check_model_settings(spec: JobSpec, model: ModelInfo) -> None:
             check_group_size(model.config, spec.engine.quantization_group_size)
         except ValueError as e:
             raise JobError(f"engine.{e}") from None
+    if isinstance(spec.engine.quantization_calibration, str):   # a missing or empty file: a bad job file
+        from batchrun.models.calibration import read_prompts
+        try:
+            read_prompts(spec.engine.quantization_calibration)
+        except ValueError as e:
+            raise JobError(f"engine.{e}") from None
     if spec.engine.tensor_parallel_size != 1:   # sizes against the model and this machine's cores/GPUs
         from batchrun.engine.tp_group import check_tp_settings
         try:

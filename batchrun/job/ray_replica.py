@@ -90,7 +90,7 @@ class ReplicaWorker:
         # parts record the driver's lock token; each commit checks the driver still holds the lock
         committer = UnitCommitter(self.ledger, writer_identity(self.lock_token),
                                   lock_fence(JobLock(self.sink), self.lock_token), crash, log)
-        self.engine = default_engine(spec, plan.tokenizer)      # the weights, once per actor
+        self.engine = default_engine(spec, plan.tokenizer, plan)      # the weights, once per actor
         self.pipeline = UnitPipeline(plan, lambda tokenizer: self.engine, committer, self.stop_event,
                                      self._request_stop, crash=crash, log=log, on_commit=self._committed,
                                      on_unit_error=self._unit_error)

@@ -73,7 +73,7 @@ class JobRunner:
         self.live_progress = True       # a Publisher thread rewrites progress.json (the Ray driver: its loop)
 
     def _default_engine(self, tokenizer):
-        return default_engine(self.spec, tokenizer)
+        return default_engine(self.spec, tokenizer, self.plan)
 
     # -- entry ---------------------------------------------------------------------------------
     def run(self) -> dict:

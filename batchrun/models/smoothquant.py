@@ -13,6 +13,8 @@ The fp8 KV scales come from the same pass: k_scale = max|K| / the format's large
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -32,10 +34,12 @@ def smoothing_factors(act_absmax: torch.Tensor, w: torch.Tensor, alpha: float) -
     return (a.pow(alpha) / wm.pow(1 - alpha)).clamp(min=EPS)
 
 
-def smooth_model(model: nn.Module, act_absmax: dict, alpha: float = DEFAULT_ALPHA,
-                 unfolded: str = UNFOLDED) -> dict[str, tuple[torch.Tensor, object]]:
+def smooth_model(model: nn.Module, act_absmax: dict, alpha: Optional[float] = None,
+                 unfolded: Optional[str] = None) -> dict[str, tuple[torch.Tensor, object]]:
     """Fold SmoothQuant's factors into the norms in place (module docstring); returns {projection name:
     (smoothed weight float32 [N, K], inv_smooth [K] or None)}: x * inv_smooth @ W_smoothed.T == x @ W.T."""
+    alpha = DEFAULT_ALPHA if alpha is None else alpha          # the module's, read at call time
+    unfolded = UNFOLDED if unfolded is None else unfolded
     if unfolded not in ("runtime", "none"):
         raise ValueError(f"smoothquant unfolded mode must be 'runtime' or 'none', got {unfolded!r}")
     out = {}
@@ -74,7 +78,7 @@ def check_w8a8(model: nn.Module) -> None:
             raise ValueError(f"quantization: 'w8a8' needs a plain floating 2-D weight; layer {name} has {kind}")
 
 
-def apply_w8a8(model: nn.Module, stats: dict, alpha: float = DEFAULT_ALPHA, unfolded: str = UNFOLDED,
+def apply_w8a8(model: nn.Module, stats: dict, alpha: Optional[float] = None, unfolded: Optional[str] = None,
                use_kernel: bool = True, budget_s: float = 0.5) -> tuple[int, dict]:
     """Smooth, then replace every projection's weight by a W8A8Weight and measure the kernels. Returns (the
     quantized weights' bytes, {bucket: kernel})."""

@@ -1,0 +1,85 @@
+"""bench_quant.py's third quality layer and its prefill timing: JSON format compliance and prefill tok/s.
+
+Format compliance: the share of valid JSON answers to a JSON-producing prompt set (greedy, chat template):
+an answer counts when, code fences stripped, json.loads gives an object with the asked keys. Perplexity can
+hold while this falls (the seed's 98% -> 82%), so it is measured beside it. Held-out calibration rows:
+stdlib docstrings after the ones the perplexity text takes, written to a JSONL file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+
+import torch
+
+from batchrun import SamplingParams
+
+PEOPLE = ["a retired teacher from Lyon who is 67", "Maria, a 34-year-old nurse", "the boy next door, aged 12",
+          "Kenji Watanabe, 45, an engineer in Osaka", "a 29 year old painter called Ines", "Grandpa Joe, 91",
+          "Dr. Amara Okafor, forty-one", "a student named Li Wei, 20", "Olga (age 58), a pilot",
+          "Tom, who turned 7 last week"]
+TASKS = [("name and age", ("name", "age"), "for: {p}"),
+         ("name, age and occupation", ("name", "age", "occupation"), "describing {p}"),
+         ("name and is_adult (a boolean)", ("name", "is_adult"), "for the person: {p}"),
+         ("first_name and age_in_months", ("first_name", "age_in_months"), "for: {p}"),
+         ("name and a list of two hobbies under hobbies", ("name", "hobbies"), "inventing hobbies for {p}"),
+         ("city and age", ("city", "age"), "guessing a city for {p}")]
+
+
+def json_prompts() -> list[tuple[list[dict], tuple]]:
+    """60 (conversation, keys) pairs: each task x each person."""
+    out = []
+    for what, keys, tail in TASKS:
+        for p in PEOPLE:
+            msg = f"Return only a JSON object with keys {what} {tail.format(p=p)}"
+            out.append(([{"role": "user", "content": msg}], keys))
+    return out
+
+
+def valid_json(text: str, keys: tuple) -> bool:
+    t = text.strip()
+    m = re.search(r"```(?:json)?\s*(.*?)(```|$)", t, re.S)
+    if m:
+        t = m.group(1).strip()
+    try:
+        v = json.loads(t)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(v, dict) and all(k in v for k in keys)
+
+
+def json_validity(llm, max_tokens: int = 96) -> tuple[float, list[str]]:
+    """(share of valid answers, the answers) for json_prompts(), greedy."""
+    items = json_prompts()
+    outs = llm.chat([c for c, _ in items], SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)
+    texts = [o.outputs[0].text for o in outs]
+    return sum(valid_json(t, k) for t, (_, k) in zip(texts, items)) / len(items), texts
+
+
+def prefill_tps(llm, vocab: int, n: int = 16, length: int = 256) -> float:
+    """Prompt tokens per second of n length-token prompts generating one token each (best of 2)."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(3, vocab, (length,), generator=g).tolist()} for _ in range(n)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], params, use_tqdm=False)
+    best = float("inf")
+    for _ in range(2):
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        best = min(best, time.perf_counter() - t)
+    return n * length / best
+
+
+def calibration_file(skip_docs: int, rows: int = 64) -> str:
+    """A JSONL of `rows` stdlib docstrings after the first skip_docs (those the perplexity text uses)."""
+    from batchrun.demo_docstrings import stdlib_docstrings
+    docs = [d for _, _, d in stdlib_docstrings() if len(d) >= 200]
+    picked = docs[skip_docs:skip_docs + rows]
+    fd, path = tempfile.mkstemp(prefix="batchrun-calib-", suffix=".jsonl")
+    with os.fdopen(fd, "w") as f:
+        for d in picked:
+            f.write(json.dumps({"prompt": d[:1200]}) + "\n")
+    return path
