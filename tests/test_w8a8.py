@@ -34,7 +34,9 @@ def test_int8_product_equals_float64_reference(kernel, rows, shape):
 def test_quantizers_are_within_half_a_step():
     x = torch.randn(33, 70) * torch.rand(33, 1) * 9
     x[3] = 0                                        # an all-zero row: scale 1, codes 0
+    before = x.clone()
     qx, sx = quantize_rows(x)
+    assert torch.equal(x, before)                   # the input is left as it was
     assert ((qx.float() * sx - x).abs() <= sx / 2 * (1 + 1e-6)).all() and qx.abs().max() == 127
     assert sx[3] == 1 and (qx[3] == 0).all()
     q, s = quantize_w8(x)

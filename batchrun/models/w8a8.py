@@ -36,10 +36,11 @@ MEASURE_MAX_ROWS = 512        # the 2048 bucket is timed at this many rows: the 
 def quantize_rows(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None):
     """x [M, K] (any float dtype) -> (qx int8 [M, K], sx float32 [M, 1]) with x ~ qx * sx, per row symmetric;
     with inv_smooth [K], of x * inv_smooth (SmoothQuant's run-time division). An all-zero row gets sx = 1."""
-    x = x.float() if inv_smooth is None else x.float() * inv_smooth
-    sx = x.abs().amax(dim=-1, keepdim=True) / 127
+    x = x.to(torch.float32, copy=True) if inv_smooth is None else torch.mul(x, inv_smooth)   # ours to reuse
+    lo, hi = torch.aminmax(x, dim=-1, keepdim=True)                          # one pass, no |x| temporary
+    sx = torch.maximum(-lo, hi).div_(127)
     sx = torch.where(sx > 0, sx, torch.ones_like(sx))
-    return torch.round(x / sx).clamp_(-127, 127).to(torch.int8), sx
+    return x.div_(sx).round_().to(torch.int8), sx       # |x / sx| <= 127 (+ an ulp): no clamp needed
 
 
 def quantize_w8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
