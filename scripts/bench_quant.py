@@ -9,7 +9,8 @@ and 64 (output tokens of a max_tokens=1+N run minus a max_tokens=1 run, so prefi
 against the float32 model on stdlib docstrings (batchrun.demo_docstrings), teacher-forced: top-1 agreement
 of the next-token argmax and the perplexity ratio, against bf16 too; format compliance (the share of valid
 JSON answers, scripts/quant_quality.py) and prefill tok/s. w8a8 and the calibrated fp8 KV cache take
-held-out docstrings as quantization_calibration. --rows also times every linear layer of SmolLM2's shapes
+held-out docstrings as quantization_calibration (`python scripts/quant_quality.py`: bf16 vs w8a8 speed,
+alternated). --rows also times every linear layer of SmolLM2's shapes
 at a sweep of row counts, each way quant.py can take: the figures behind INT8_KERNEL_ROWS and INT4_KERNEL_ROWS.
 
     python scripts/bench_quant.py [--quick] [--rows] [--models smollm2,llama50m] [--configs bf16,kv]
