@@ -33,12 +33,12 @@ def test_int8_product_equals_float64_reference(kernel, rows, shape):
 
 def test_quantizers_are_within_half_a_step():
     x = torch.randn(33, 70) * torch.rand(33, 1) * 9
-    x[3] = 0                                        # an all-zero row: scale 1, codes 0
+    x[3] = 0                                        # an all-zero row: codes 0
     before = x.clone()
     qx, sx = quantize_rows(x)
     assert torch.equal(x, before)                   # the input is left as it was
     assert ((qx.float() * sx - x).abs() <= sx / 2 * (1 + 1e-6)).all() and qx.abs().max() == 127
-    assert sx[3] == 1 and (qx[3] == 0).all()
+    assert sx[3] > 0 and (qx[3] == 0).all()
     q, s = quantize_w8(x)
     assert ((q.float() * s[:, None] - x).abs() <= s[:, None] / 2 * (1 + 1e-6)).all()
 
@@ -63,6 +63,16 @@ def test_kernel_choice_is_per_bucket_and_runs_the_chosen_kernel():
     assert list(choice) == list(BUCKETS) and set(choice.values()) <= set(KERNELS)
     assert all(ws[0].kernel_for(b) == choice[b] for b in BUCKETS)
     assert ws[0].kernel_for(5000) == choice[BUCKETS[-1]]
+    assert all((w._onednn is not None) == ("onednn" in choice.values()) for w in ws)   # counted in nbytes
+
+
+def test_kernels_off_runs_the_float_reference(hf_models, monkeypatch):
+    monkeypatch.setenv("BATCHRUN_QUANT_KERNELS", "0")
+    monkeypatch.setenv("BATCHRUN_CALIBRATION_CACHE", "0")
+    llm = _model(hf_models["llama"][0], dtype="bfloat16", quantization="w8a8", quantization_calibration=2)
+    assert llm.engine.memory_ledger["calibration"]["w8a8_kernels"].startswith("float")
+    w = llm.engine.runner.model.layers[0].mlp.down_proj.weight
+    assert all(w.kernel_for(b) == "float" for b in BUCKETS)
 
 
 def _model(path, dtype="float32", **kw):

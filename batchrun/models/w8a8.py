@@ -35,11 +35,10 @@ MEASURE_MAX_ROWS = 512        # the 2048 bucket is timed at this many rows: the 
 
 def quantize_rows(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None):
     """x [M, K] (any float dtype) -> (qx int8 [M, K], sx float32 [M, 1]) with x ~ qx * sx, per row symmetric;
-    with inv_smooth [K], of x * inv_smooth (SmoothQuant's run-time division). An all-zero row gets sx = 1."""
+    with inv_smooth [K], of x * inv_smooth (SmoothQuant's run-time division)."""
     x = x.to(torch.float32, copy=True) if inv_smooth is None else torch.mul(x, inv_smooth)   # ours to reuse
     lo, hi = torch.aminmax(x, dim=-1, keepdim=True)                          # one pass, no |x| temporary
-    sx = torch.maximum(-lo, hi).div_(127)
-    sx = torch.where(sx > 0, sx, torch.ones_like(sx))
+    sx = torch.maximum(-lo, hi).div_(127).clamp_(min=1e-30)   # an all-zero row: codes 0 (few ops: decode)
     return x.div_(sx).round_().to(torch.int8), sx       # |x / sx| <= 127 (+ an ulp): no clamp needed
 
 
@@ -154,8 +153,9 @@ def choose_kernels(weights: list[W8A8Weight], budget_s: float = 0.5) -> dict[int
         chosen.append(min(cost, key=cost.get))
     for w in weights:
         w.per_bucket = tuple(chosen)
-        if "onednn" not in chosen:
-            w._onednn = None
+        w._onednn = None
+        if "onednn" in chosen:          # packed now, so the ledger counts what the products will hold
+            w._onednn = torch.ops.onednn.qlinear_prepack(w.qt.t().contiguous(), None)
     return dict(zip(BUCKETS, chosen))
 
 
