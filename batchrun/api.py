@@ -132,14 +132,17 @@ class LLM:
 
 
 def detokenize(outputs: Sequence[RequestOutput], params: Sequence[SamplingParams], tokenizer: Any) -> None:
-    """Fill `text` of finished outputs in batches (stop-string outputs already carry theirs)."""
+    """Fill `text` of finished outputs and of their samples in batches (stop-string outputs already carry
+    theirs); RequestOutput.text is its first sample's."""
     for skip in (True, False):
-        todo = [o for o, p in zip(outputs, params) if o.text is None and o.finish_reason != "error"
-                and p.skip_special_tokens is skip]
+        todo = [c for o, p in zip(outputs, params) if o.finish_reason != "error" and p.skip_special_tokens is skip
+                for c in (o.outputs or [o]) if c.text is None]
         if todo:
-            for o, t in zip(todo, tokenizer.decode_batch([o.token_ids for o in todo],
+            for c, t in zip(todo, tokenizer.decode_batch([c.token_ids for c in todo],
                                                          skip_special_tokens=skip)):
-                o.text = t
+                c.text = t
     for o in outputs:
+        if o.outputs:
+            o.text = o.outputs[0].text
         if o.text is None:
             o.text = ""

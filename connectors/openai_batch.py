@@ -7,16 +7,17 @@ that row. A line that is not a valid request (bad JSON, missing custom_id, an un
 key batchrun cannot honour) is an error row naming the file, the line and the key; the job goes on.
 
 Body keys:
-    honoured: messages, max_tokens / max_completion_tokens, temperature, top_p, stop, seed, n (1 only),
-              and vLLM's extensions top_k, min_p, ignore_eos, stop_token_ids,
-              include_stop_str_in_output
+    honoured: messages, max_tokens / max_completion_tokens, temperature, top_p, stop, seed, n (one output
+              row per sample, `choices` with n entries), presence_penalty, frequency_penalty, logit_bias
+              ({"token id": bias}), logprobs + top_logprobs (<= 20; OpenAI's `logprobs.content` in the
+              output, from the raw distribution), and vLLM's extensions top_k, min_p, ignore_eos,
+              stop_token_ids, include_stop_str_in_output, repetition_penalty, min_tokens, bad_words
     ignored:  keys that do not change the generated text: model (the job's model answers), user,
               metadata, store, service_tier, stream: false, stream_options, parallel_tool_calls,
               and the neutral value of any key below
-    refused (error row): any other key, or a non-neutral value of presence_penalty,
-              frequency_penalty, logit_bias, logprobs, top_logprobs, response_format other than
-              {"type": "text"}, tools, tool_choice other than "none", stream: true, n > 1,
-              skip_special_tokens: false
+    refused (error row): any other key, or a non-neutral value of response_format other than
+              {"type": "text"}, tools, tool_choice other than "none", stream: true,
+              skip_special_tokens: false; top_logprobs without logprobs: true
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import pyarrow as pa
 
 from batchrun.connectors.base import InputError, Unit
 from batchrun.connectors.lines import ROW_ERROR, JsonlSource, with_row_errors
+from batchrun.outputs import MAX_LOGPROBS
 
 ROW_SAMPLING = "_batchrun_sampling"      # per-row SamplingParams overrides (JSON object), null = none
 _REQUEST_ERROR = "_batchrun_request_error"
@@ -46,15 +48,19 @@ SAMPLING_KEYS: dict[str, tuple[str, tuple]] = {
     "top_k": ("top_k", (int,)), "min_p": ("min_p", _NUM), "ignore_eos": ("ignore_eos", (bool,)),
     "stop_token_ids": ("stop_token_ids", (list,)),
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
+    "n": ("n", (int,)), "presence_penalty": ("presence_penalty", _NUM),
+    "frequency_penalty": ("frequency_penalty", _NUM), "logit_bias": ("logit_bias", (dict,)),
+    "repetition_penalty": ("repetition_penalty", _NUM), "min_tokens": ("min_tokens", (int,)),
+    "bad_words": ("bad_words", (list,)),
 }
+LOGPROB_KEYS = ("logprobs", "top_logprobs")       # OpenAI's pair -> SamplingParams.logprobs
 IGNORED_KEYS = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # key -> the values that change nothing (accepted and ignored); any other value is refused
 NEUTRAL: dict[str, tuple] = {
-    "n": (1,), "stream": (False,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,), "response_format": ({"type": "text"},),
+    "stream": (False,), "response_format": ({"type": "text"},),
     "tools": ([],), "tool_choice": ("none",), "skip_special_tokens": (True,),
 }
-SUPPORTED = sorted({"messages", "stop", *SAMPLING_KEYS, *IGNORED_KEYS, *NEUTRAL})
+SUPPORTED = sorted({"messages", "stop", *SAMPLING_KEYS, *LOGPROB_KEYS, *IGNORED_KEYS, *NEUTRAL})
 
 
 class _Invalid(Exception):
@@ -97,7 +103,7 @@ def _sampling(body: dict) -> dict:
     """The body's sampling keys as SamplingParams overrides; raises _Invalid naming the first bad key."""
     over: dict[str, Any] = {}
     for key, value in body.items():
-        if key in ("messages",) or key in IGNORED_KEYS:
+        if key in ("messages",) or key in IGNORED_KEYS or key in LOGPROB_KEYS:
             continue
         if key in NEUTRAL:
             if value is not None and value not in NEUTRAL[key]:
@@ -126,7 +132,23 @@ def _sampling(body: dict) -> dict:
         if field in over:
             raise _Invalid(f"body.{key}: max_tokens and max_completion_tokens are both set")
         over[field] = value
+    k = _logprobs(body.get("logprobs"), body.get("top_logprobs"))
+    if k is not None:
+        over["logprobs"] = k
     return over
+
+
+def _logprobs(on: Any, top: Any) -> Optional[int]:
+    """OpenAI's logprobs (bool) and top_logprobs (int) -> SamplingParams.logprobs (None: off)."""
+    if on is not None and not isinstance(on, bool):
+        raise _Invalid(f"body.logprobs: expected bool, found {type(on).__name__}")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+        raise _Invalid(f"body.top_logprobs: expected int, found {type(top).__name__}")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise _Invalid(f"body.top_logprobs={top}: must be in [0, {MAX_LOGPROBS}]")
+    if top and not on:
+        raise _Invalid("body.top_logprobs: needs body.logprobs: true")
+    return (top or 0) if on else None
 
 
 def parse_request(obj: dict) -> dict:

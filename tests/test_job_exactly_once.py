@@ -212,6 +212,41 @@ def test_length_order_counts_each_rows_own_max_tokens(tmp_path, tiny_model):  # 
 
 
 # -- the traceback of an unexpected error ----------------------------------------------------------------------
+def test_n_samples_are_committed_exactly_once_across_sigkill_and_resume(tmp_path, tiny_model):  # noqa: F811
+    """n=3: every input row is n output rows (id, sample_index 0..2), an error row too; a SIGKILL after the
+    second unit's marker and a resume leave each (id, sample_index) exactly once, equal to the uninterrupted
+    run, and the summary counts input rows (the ledger's markers: rows and output_rows = rows x n)."""
+    import duckdb
+    from test_job_common import prompt_texts, write_prompt_files
+    n, rows = 3, 40
+    texts = prompt_texts(rows, 5)
+    texts[7] = None            # an error row: n of them
+    write_prompt_files(str(tmp_path / "in"), rows, files=2, row_group_size=10, texts=texts)
+    sampling = {"n": n, "temperature": 1.0, "seed": 9, "max_tokens": 4, "logprobs": 1}
+    ref_job = job_dict(tiny_model, str(tmp_path / "in"), str(tmp_path / "ref"), sampling=sampling,
+                       plan={"unit_rows": 10, "window_units": 1}, engine={"max_num_seqs": 8})
+    summary = JobRunner(make_plan(parse_job(ref_job, "<ref>", "/")), progress_bar=False).run()
+    assert summary["rows"] == rows
+    job = write_job(str(tmp_path / "job.yaml"), {**ref_job, "output": {"uri": str(tmp_path / "out")}})
+    p = cli("submit", job, "--no-progress", env={"BATCHRUN_TEST_CRASH_AT": "after_done:2"})
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert cli("submit", job, "--no-progress").returncode == 0
+    q = ("SELECT id, sample_index, output, finish_reason, error, logprobs FROM read_parquet('{}/*.parquet') "
+         "ORDER BY id, sample_index")
+    got, want = (duckdb.connect().execute(q.format(tmp_path / d)).fetchall() for d in ("out", "ref"))
+    assert [r[:5] for r in got] == [r[:5] for r in want] and len(got) == rows * n
+    for g, w in zip(got, want):      # float32 logprobs of other batch shapes
+        assert (g[5] is None) == (w[5] is None) and (g[5] is None or (
+            [x["token_id"] for x in g[5]] == [x["token_id"] for x in w[5]]
+            and max(abs(x["logprob"] - y["logprob"]) for x, y in zip(g[5], w[5])) < 1e-4))
+    assert len({(r[0], r[1]) for r in got}) == rows * n
+    assert {r[1] for r in got} == set(range(n))
+    assert [(r[0], r[1]) for r in got if r[3] == "error"] == [("r00007", k) for k in range(n)]
+    led = Ledger(ParquetSink(str(tmp_path / "out"), None, create=False))
+    markers = led.done_markers().values()
+    assert sum(m["rows"] for m in markers) == rows and sum(m["output_rows"] for m in markers) == rows * n
+
+
 def test_the_traceback_of_an_unexpected_error_carries_no_credential(setup, s3, tmp_path, monkeypatch):  # noqa: F811
     """A KMS key id of the wrong type (a list) makes botocore raise ParamValidationError quoting the
     value: an unexpected error (exit 1) whose traceback used to print the key."""

@@ -49,8 +49,8 @@ def test_request_lines_parse_and_bad_requests_name_line_and_key(tmp_path):
             "presence_penalty": 0, "n": 1}),
         req("b", {"messages": msgs("hi"), "max_completion_tokens": 4, "stop": ["x", "y"], "ignore_eos": True}),
         "{not json",
-        req("c", {"messages": msgs("hi"), "presence_penalty": 0.5}),
-        req("d", {"messages": msgs("hi"), "n": 3}),
+        req("c", {"messages": msgs("hi"), "tool_choice": "auto"}),
+        req("d", {"messages": msgs("hi"), "stream": True}),
         req("e", {"messages": msgs("hi"), "frobnicate": True}),
         req("f", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
         req("g", {"messages": msgs("hi")}, url="/v1/embeddings"),
@@ -68,14 +68,14 @@ def test_request_lines_parse_and_bad_requests_name_line_and_key(tmp_path):
     assert rows[0]["messages"] == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "one\ntwo"}]
     assert rows[0]["model"] == "gpt-4o-mini"
     assert json.loads(rows[0][ROW_SAMPLING]) == {"max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "stop": ["END"],
-                                                 "seed": 3}
+                                                 "seed": 3, "presence_penalty": 0, "n": 1}
     assert json.loads(rows[1][ROW_SAMPLING]) == {"max_tokens": 4, "stop": ["x", "y"], "ignore_eos": True}
     err = {r["custom_id"] or i: r[ROW_ERROR] for i, r in enumerate(rows)}
     assert err["a"] is None and err["b"] is None
     where = f"{p}: line"
     assert err[2].startswith(f"{where} 3: not valid JSON")
-    assert err["c"] == f"{where} 4: custom_id 'c': body.presence_penalty=0.5: not supported by batchrun (only 0)"
-    assert "body.n=3" in err["d"] and err["d"].startswith(f"{where} 5:")
+    assert err["c"] == f"{where} 4: custom_id 'c': body.tool_choice=\"auto\": not supported by batchrun (only \"none\")"
+    assert "body.stream=true" in err["d"] and err["d"].startswith(f"{where} 5:")
     assert "body.frobnicate: unsupported key" in err["e"]
     assert "body.messages[0].content[0]: only text parts" in err["f"] and "'image_url'" in err["f"]
     assert "url '/v1/embeddings': only /v1/chat/completions" in err["g"]
@@ -110,7 +110,8 @@ def test_per_row_sampling_applies_and_output_file_matches_parquet(tmp_path, tiny
         "completion-tokens": (m1, {"max_completion_tokens": 2, "ignore_eos": True}),
     }
     bad = {"neg-temp": (m1, {"temperature": -1.0}), "too-long": (m1, {"max_tokens": 5000}),
-           "logprobs": (m1, {"logprobs": True})}
+           "logprobs": (m1, {"top_logprobs": 2}), "top-too-many": (m1, {"logprobs": True, "top_logprobs": 21}),
+           "n0": (m1, {"n": 0}), "penalty": (m1, {"presence_penalty": 2.5})}
     lines = [req(cid, {"model": "gpt-4o", "messages": m, **kw}) for cid, (m, kw) in {**good, **bad}.items()]
     lines.insert(5, "not json")
     (tmp_path / "batch.jsonl").write_text("\n".join(lines) + "\n")
@@ -133,7 +134,10 @@ def test_per_row_sampling_applies_and_output_file_matches_parquet(tmp_path, tiny
     assert got["stopped"][2] == "stop" and stop not in got["stopped"][1]
     assert "temperature must be >= 0" in got["neg-temp"][3]
     assert "max_tokens=5000 exceeds max_model_len" in got["too-long"][3]
-    assert "body.logprobs=true: not supported" in got["logprobs"][3]
+    assert "body.top_logprobs: needs body.logprobs: true" in got["logprobs"][3]
+    assert "body.top_logprobs=21: must be in [0, 20]" in got["top-too-many"][3]
+    assert "n must be an integer >= 1" in got["n0"][3]
+    assert "presence_penalty must be in [-2, 2]" in got["penalty"][3]
     assert "line 6: not valid JSON" in got[None][3]
 
     # the OpenAI output file: one line per row, shaped like the Batch API's, equal to the Parquet
@@ -183,3 +187,51 @@ def test_openai_output_exactly_once_across_sigkill_and_resume(tmp_path, tiny_mod
     assert got == load(ref)                                                      # as the uninterrupted run
     assert results(out) == results(ref)
     assert [r["response"]["body"]["usage"]["completion_tokens"] for r in got] == [1 + i % 5 for i in range(22)]
+
+
+def test_n_logprobs_and_penalties_in_and_openai_shaped_out(tmp_path, tiny_model):  # noqa: F811
+    """n, logprobs/top_logprobs, the penalties and logit_bias from request bodies: the rows equal LLM.chat with
+    those SamplingParams (the oracle), the output line has n choices with OpenAI's logprobs.content."""
+    m1, m2 = msgs("river stone cloud"), msgs("paper engine garden window")
+    bodies = {
+        "n3": (m1, {"n": 3, "temperature": 0.9, "seed": 5, "max_tokens": 4, "logprobs": True, "top_logprobs": 2,
+                    "ignore_eos": True}),
+        "pen": (m2, {"presence_penalty": 1.0, "frequency_penalty": 0.5, "logit_bias": {"300": 5, "77": -100},
+                     "repetition_penalty": 1.3, "max_tokens": 6, "ignore_eos": True, "logprobs": True}),
+        "plain": (m2, {"max_tokens": 3, "ignore_eos": True}),
+    }
+    sp = {"n3": SamplingParams(**{**JOB_SAMPLING, "n": 3, "temperature": 0.9, "seed": 5, "max_tokens": 4,
+                                  "logprobs": 2, "ignore_eos": True}),
+          "pen": SamplingParams(**{**JOB_SAMPLING, "presence_penalty": 1.0, "frequency_penalty": 0.5,
+                                   "logit_bias": {300: 5, 77: -100}, "repetition_penalty": 1.3, "max_tokens": 6,
+                                   "ignore_eos": True, "logprobs": 0}),
+          "plain": SamplingParams(**{**JOB_SAMPLING, "max_tokens": 3, "ignore_eos": True})}
+    (tmp_path / "batch.jsonl").write_text("\n".join(req(c, {"messages": m, **kw}) for c, (m, kw) in bodies.items()))
+    out = str(tmp_path / "out")
+    s = JobRunner(make_plan(parse_job(batch_job(tiny_model, str(tmp_path / "batch.jsonl"), out, openai_jsonl=True),
+                                      "<t>", "/")), progress_bar=False).run()
+    assert s["rows"] == 3 and s["error_rows"] == 0
+    llm = LLM(tiny_model, dtype="float32", max_num_seqs=32, kv_cache_memory=32 << 20, swap_space=0)
+    want = dict(zip(bodies, llm.chat([m for m, _ in bodies.values()], list(sp.values()), use_tqdm=False)))
+    import duckdb
+    rows = duckdb.connect().execute(f"SELECT id, sample_index, output, logprobs FROM read_parquet('{out}/*.parquet') "
+                                    "ORDER BY id, sample_index").fetchall()
+    assert [(r[0], r[1]) for r in rows] == [("n3", 0), ("n3", 1), ("n3", 2), ("pen", 0), ("plain", 0)]
+    lines = {x["custom_id"]: x["response"]["body"] for x in map(json.loads, open(os.path.join(out, OPENAI_OUTPUT)))}
+    for cid, w in want.items():
+        choices = lines[cid]["choices"]
+        assert [c["index"] for c in choices] == list(range(sp[cid].n))
+        for c, comp in zip(choices, w.outputs):
+            assert c["message"]["content"] == comp.text
+            if sp[cid].logprobs is None:
+                assert c["logprobs"] is None
+                continue
+            content = c["logprobs"]["content"]
+            assert len(content) == len(comp.token_ids)
+            for e, t, d in zip(content, comp.token_ids, comp.logprobs):
+                assert e["token"] == d[t].decoded_token and e["bytes"] == list(e["token"].encode())
+                assert abs(e["logprob"] - d[t].logprob) < 1e-4       # float32, other batch shapes
+                top = sorted(d.items(), key=lambda kv: kv[1].rank)[:sp[cid].logprobs]
+                assert [x["token"] for x in e["top_logprobs"]] == [lp.decoded_token for _, lp in top]
+        assert lines[cid]["usage"]["completion_tokens"] == sum(len(c.token_ids) for c in w.outputs)
+    assert len({c["message"]["content"] for c in lines["n3"]["choices"]}) > 1

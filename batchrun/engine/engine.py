@@ -9,13 +9,15 @@ from typing import Any, Optional
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.kv_cache import KVCacheManager, blocks_needed
+from batchrun.engine.logits_processors import RowState, bad_words_token_ids, check_vocab
+from batchrun.engine.logprobs import to_position_dicts
 from batchrun.engine.runner import ModelRunner, build_tp_worker, resolve_device
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
 from batchrun.engine.speculative import NgramProposer, SeqSpecState, SpecConfig
 from batchrun.models.calibration import needs_calibration, resolve_rows
 from batchrun.models.loader import ModelError, inspect_model
-from batchrun.outputs import RequestMetrics, RequestOutput, SamplingParams
+from batchrun.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
 log = logging.getLogger("batchrun")
 
@@ -64,6 +66,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_host_blocks=self.runner.num_host_blocks)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
+        self.runner.eos_token_ids = tuple(sorted(self.eos_token_ids))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    swap_min_tokens=config.swap_min_tokens,
                                    eos_token_ids=self.eos_token_ids, max_model_len=max_len,
@@ -71,9 +74,12 @@ class LLMEngine:
         self.spec_config = SpecConfig.from_dict(config.speculative_config)
         self.proposer = NgramProposer(self.spec_config) if self.spec_config else None
         self._pending_errors: list[Sequence] = []
+        self._samples: dict[str, list] = {}     # request id of n > 1 -> its samples' outputs so far
+        self._bad_words: dict[tuple, list[list[int]]] = {}   # bad_words -> their token ids
+        self._token_text: dict[int, str] = {}  # token id -> its text, for logprobs
         self._arrivals = 0
         self._stats = {"steps": 0, "batched_tokens": 0, "prompt_tokens": 0, "output_tokens": 0,
-                       "requests": 0, "errors": 0, "spec_steps_disabled": 0}
+                       "requests": 0, "errors": 0, "spec_steps_disabled": 0, "computed_prompt_tokens": 0}
         self._step_s = 0.0          # wall time inside step(); minus the runner's forward_s: host overhead
         ledger = self.runner.memory_ledger
         log.info("memory ledger: weights %.1f MiB, KV %d B/token, %d blocks x %d tokens = %d tokens "
@@ -95,7 +101,12 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: Optional[str] = None) -> None:
-        """Queue a request. Row-level problems never raise: they finish as an error output."""
+        """Queue a request. Row-level problems never raise: they finish as an error output.
+
+        n > 1: n sequences of the same prompt, sample k seeded with seed + k (vLLM's); the first computes
+        the prompt's full blocks and the others take them from the prefix cache (the scheduler holds them
+        back while it prefills; only a last partial block is computed again, as in vLLM V1), so
+        stats["computed_prompt_tokens"] counts the prompt about once. One RequestOutput when all finish."""
         seq = Sequence(request_id, prompt_token_ids, params, prompt, self._arrivals)
         self._arrivals += 1
         self._stats["requests"] += 1
@@ -106,9 +117,16 @@ class LLMEngine:
             seq.finish_time = time.perf_counter()
             self._pending_errors.append(seq)
             return
-        if params.seed is not None and not params.greedy:
-            seq.generator = self.runner.make_generator(params.seed)
-        self.scheduler.add(seq)
+        if params.n > 1:
+            self._samples[request_id] = [None] * params.n
+        for k in range(params.n):
+            if k:
+                seq = Sequence(request_id, prompt_token_ids, params, prompt, self._arrivals)
+                seq.sample_index = k
+                seq.proc_state = RowState(self._bad_words.get(tuple(params.bad_words or ())))
+            if params.seed is not None and not params.greedy:
+                seq.generator = self.runner.make_generator(params.seed + k)
+            self.scheduler.add(seq)
 
     def _check(self, seq: Sequence) -> Optional[str]:
         n, p = seq.num_prompt_tokens, seq.params
@@ -123,10 +141,18 @@ class LLMEngine:
         if blocks_needed(n + p.max_tokens, self.kv.block_size) > self.kv.num_blocks:
             return (f"prompt of {n} tokens + max_tokens={p.max_tokens} needs more KV blocks than the "
                     f"whole cache holds ({self.kv.num_blocks} x {self.kv.block_size} tokens)")
+        if p.processed:
+            key = tuple(p.bad_words or ())
+            if key not in self._bad_words:
+                self._bad_words[key] = bad_words_token_ids(key, self.tokenizer) if key else []
+            seq.proc_state = RowState(self._bad_words[key])
+            return check_vocab(p, self._bad_words[key], vocab)
         return None
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        while self.scheduler.abort(request_id) is not None:     # every sample of it
+            pass
+        self._samples.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending_errors) or self.scheduler.has_unfinished()
@@ -156,7 +182,8 @@ class LLMEngine:
             finished += self.scheduler.update(sched, sampled, time.perf_counter())
             self._stats["steps"] += 1
             self._stats["batched_tokens"] += sched.num_batched_tokens
-        return [self._output(s) for s in finished]
+        outs = [self._output(s) for s in finished]
+        return [o for o in outs if o is not None]
 
     @staticmethod
     def _mark_scheduled(sched) -> None:
@@ -179,6 +206,8 @@ class LLMEngine:
             self._stats["spec_steps_disabled"] += 1
             return
         for seq in decoding:
+            if not seq.params.plain:    # processors and logprobs are not applied to drafts: no speculation
+                continue
             if seq.spec is None:
                 seq.spec = SeqSpecState()
             room = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
@@ -201,22 +230,47 @@ class LLMEngine:
         seq.text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
         return True
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _decode_token(self, t: int) -> str:
+        text = self._token_text.get(t)
+        if text is None:
+            text = self._token_text[t] = self.tokenizer.decode([t], skip_special_tokens=False)
+        return text
+
+    def _output(self, seq: Sequence) -> Optional[RequestOutput]:
+        """seq's RequestOutput; with n > 1, None until the request's last sample finishes."""
         if seq.finish_reason != "error":
             self._stats["prompt_tokens"] += seq.num_prompt_tokens
             self._stats["output_tokens"] += seq.num_output_tokens
+            self._stats["computed_prompt_tokens"] += seq.num_prompt_tokens - seq.num_cached_tokens
         else:
             self._stats["errors"] += 1
+        lps = to_position_dicts(seq.logprobs, self._decode_token) if seq.params.logprobs is not None else None
+        comp = CompletionOutput(seq.sample_index, seq.text, seq.output_token_ids, seq.finish_reason, lps,
+                                None if lps is None else sum(e[1] for e in seq.logprobs or []))
+        group = self._samples.get(seq.request_id) if seq.finish_reason != "error" else None
+        if group is not None:
+            group[seq.sample_index] = comp
+            if any(c is None for c in group):
+                return None
+            del self._samples[seq.request_id]
         t0 = seq.arrival_time
         metrics = RequestMetrics(
             prompt_tokens=seq.num_prompt_tokens, output_tokens=seq.num_output_tokens,
             queued_s=(seq.first_scheduled_time or seq.finish_time or t0) - t0,
             first_token_s=None if seq.first_token_time is None else seq.first_token_time - t0,
             total_s=(seq.finish_time or t0) - t0)
+        comps = group if group is not None else ([] if seq.finish_reason == "error" else [comp])
+        if len(comps) > 1:
+            metrics.output_tokens = sum(len(c.token_ids) for c in comps)
+        first = comps[0] if comps else comp
+        plp = None
+        if seq.params.prompt_logprobs is not None and seq.finish_reason != "error":
+            plp = [None] + (to_position_dicts(seq.prompt_logprobs or [], self._decode_token) or [])
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt,
                              prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-                             text=seq.text, token_ids=seq.output_token_ids,
-                             finish_reason=seq.finish_reason, error=seq.error, metrics=metrics)
+                             text=first.text, token_ids=first.token_ids,
+                             finish_reason=first.finish_reason,
+                             error=seq.error, metrics=metrics, outputs=comps, prompt_logprobs=plp)
 
     @property
     def stats(self) -> dict:

@@ -67,7 +67,9 @@ class KVCacheManager:
             table.extend(new)
             return new
         bs, pool = self.block_size, self.pool
-        hits, keys = self._match_prefix(seq) if self.enable_prefix_caching else ([], [])
+        # prompt_logprobs need every prompt position's logits: such a prompt is computed, never looked up
+        lookup = self.enable_prefix_caching and getattr(seq.params, "prompt_logprobs", None) is None
+        hits, keys = self._match_prefix(seq) if lookup else ([], [])
         start = len(hits) * bs
         if self.enable_prefix_caching and wait_for_prefix is not None and wait_for_prefix(start):
             return None

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from batchrun.engine.block_pool import blocks_needed
 from batchrun.engine.config import EngineConfig, default_threads
 from batchrun.engine.kv_memory import check_fits_one_sequence, kv_budget, lazy_zeros
-from batchrun.engine.sampler import sample, verify_drafts
+from batchrun.engine.logprobs import record_prompt
+from batchrun.engine.sampler import sample_seqs, verify_drafts
 from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
 from batchrun.engine.step_inputs import StepInputs
 from batchrun.kernels import cpu_argmax
@@ -142,6 +143,7 @@ class ModelRunner:
                 self.host_kv = lazy_zeros(host_shape, self.kv_dtype)
 
         self.forward_s = 0.0          # model forward + logits, summed over steps (host overhead = step - this)
+        self.eos_token_ids: tuple = ()    # the engine's: min_tokens bans them (engine/logits_processors.py)
         self.inputs = StepInputs(config, self.device, max_model_len)
         # dynamo would trace the quantized weights' objects and the all-reduces
         self.compiled = bool(config.compile and not config.enforce_eager and self.device.type == "cpu"
@@ -255,7 +257,7 @@ class ModelRunner:
         else:
             hidden = self.forward(input_ids, positions, meta)
         self.forward_s += time.perf_counter() - t0
-        if plain_step and all(e.samples and e.seq.params.greedy for e in entries):
+        if plain_step and all(e.samples and e.seq.params.greedy and e.seq.params.plain for e in entries):
             # a pure greedy decode step: every row samples, no gather, argmax in the model's dtype (exact:
             # the float32 upcast changes no value, so no order or tie)
             t0 = time.perf_counter()
@@ -265,11 +267,16 @@ class ModelRunner:
             # with the compiled layer ops, their vectorised, threaded version of it
             tokens = cpu_argmax.argmax(logits) if self.fused_layer_ops else logits.max(dim=-1).indices
             return [(e, [t]) for e, t in zip(entries, tokens.tolist())]
+        qsl = meta.query_start_loc_host
+        for i, e in enumerate(entries):     # prompt_logprobs: every prompt position of the chunk is scored
+            seq = e.seq
+            if seq.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens - 1:
+                record_prompt(self.model.compute_logits, hidden, seq, seq.num_computed_tokens,
+                              e.num_new_tokens - len(e.draft), qsl[i])
         sampling = [i for i, e in enumerate(entries) if e.samples]
         if not sampling:
             return []
         # rows to score: the last token of each sampling entry, plus one per draft token
-        qsl = meta.query_start_loc_host
         rows = [r for i in sampling for r in range(qsl[i + 1] - 1 - len(entries[i].draft), qsl[i + 1])]
         t0 = time.perf_counter()
         h = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=self.device)]
@@ -286,8 +293,8 @@ class ModelRunner:
             seqs = [entries[i].seq for i in plain]
             sub = logits if len(plain) == logits.shape[0] else \
                 logits[torch.tensor([row_of[i] for i in plain], device=self.device)]
-            tokens = sample(sub, [s.params for s in seqs], [s.generator for s in seqs],
-                            self.default_generator).tolist()   # the step's one host sync without drafts
+            # the step's one host sync without drafts (and without logprobs)
+            tokens = sample_seqs(sub, seqs, self.default_generator, self.eos_token_ids)
             result.update({i: [t] for i, t in zip(plain, tokens)})
         if spec:
             result.update(verify_drafts(logits, {i: (entries[i].seq, entries[i].draft, row_of[i]) for i in spec},

@@ -9,6 +9,28 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
+from batchrun.engine import logits_processors as processors
+from batchrun.engine.logprobs import record_sampled
+
+
+def process_logits(logits: torch.Tensor, seqs: Seq, eos_token_ids=()) -> torch.Tensor:
+    """The one place a step's logits are post-processed before filtering and sampling: the logits
+    processors (bad_words, min_tokens, logit_bias, penalties: engine/logits_processors.py), then
+    constraints such as a structured-output token bitmask. `logits` itself is never changed (the raw
+    logprobs are read from it)."""
+    logits = processors.apply(logits, seqs, eos_token_ids)
+    return logits
+
+
+def sample_seqs(logits: torch.Tensor, seqs: Seq, default_generator: Optional[torch.Generator] = None,
+                eos_token_ids=()) -> list[int]:
+    """One token per row for seqs[i] from raw logits [S, V]: processed, sampled with each sequence's params
+    and generator; rows asking for logprobs get their entry (from the raw logits) in seq.logprobs."""
+    tokens = sample(process_logits(logits, seqs, eos_token_ids), [s.params for s in seqs],
+                    [s.generator for s in seqs], default_generator)
+    record_sampled(logits, seqs, tokens)
+    return tokens.tolist()
+
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
             need_sort: bool, need_min_p: bool) -> torch.Tensor:

@@ -221,7 +221,8 @@ class Scheduler:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if p.stop and self.stop_strings is not None and self.stop_strings(seq):
+        if p.stop and self.stop_strings is not None and seq.num_output_tokens >= p.min_tokens \
+                and self.stop_strings(seq):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or (self.max_model_len is not None
                                                      and seq.num_tokens >= self.max_model_len):

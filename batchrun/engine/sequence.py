@@ -18,7 +18,7 @@ class Sequence:
                  "num_computed_tokens", "block_table", "finish_reason", "error", "text",
                  "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
                  "generator", "num_cached_tokens", "spec", "arrival_index", "block_keys",
-                 "host_blocks", "draft")
+                 "host_blocks", "draft", "sample_index", "proc_state", "logprobs", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any,
                  prompt: Optional[str] = None, arrival_index: int = 0):
@@ -44,6 +44,10 @@ class Sequence:
         self.num_cached_tokens = 0          # prompt tokens served by the prefix cache
         self.spec: Any = None               # speculative-decoding state (SeqSpecState)
         self.draft: list[int] = []          # draft tokens proposed for this step
+        self.sample_index = 0               # which of the request's n samples (engine/engine.py)
+        self.proc_state: Any = None         # logits processors' state (engine/logits_processors.py)
+        self.logprobs: Optional[list] = None         # per output token: (ids, logprobs, rank), logprobs=k
+        self.prompt_logprobs: Optional[list] = None  # per prompt token from the 2nd, prompt_logprobs=k
 
     @property
     def num_tokens(self) -> int:

@@ -68,7 +68,8 @@ def job_fingerprint(spec: JobSpec, source: Source, model: ModelInfo) -> dict[str
         "input": {"format": type(source).__name__, "files": source.listing.fingerprint(),
                   **({"sql": inp.sql} if inp.sql is not None else {})},
         "units": {"unit_rows": spec.plan.unit_rows},
-        "output_schema": 2,      # 2: the `shared` column; outputs written without it are not resumed into
+        # 2: the `shared` column; 3: `sample_index` and the logprob columns. Older outputs are not resumed into
+        "output_schema": 3,
         # only when set, so the manifests of unpartitioned jobs stay valid
         **({"output": {"partition_by": spec.output.partition_by}} if spec.output.partition_by else {}),
     }

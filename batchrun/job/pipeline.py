@@ -204,7 +204,8 @@ class UnitPipeline:
         try:
             marker = self.committer.commit(
                 unit.index, table, {**meta, "batchrun.unit": str(unit.index)},
-                {"rows": table.num_rows, **stats, "committed_at": time.time(),
+                # rows: input rows (what plans and resumes count); output_rows: rows x their n samples
+                {"rows": unit.num_rows, "output_rows": table.num_rows, **stats, "committed_at": time.time(),
                  "input": {"path": unit.path, "row_start": unit.row_start, "num_rows": unit.num_rows}},
                 partition_by=spec.output.partition_by)
         except LockLost as e:       # another run took the lock over: commit nothing more
@@ -218,7 +219,7 @@ class UnitPipeline:
             return
         with self.lock:
             self.committed_units += 1
-            self.committed_rows += table.num_rows
+            self.committed_rows += unit.num_rows
             self.committed_out_tokens += stats["output_tokens"]
         if self.on_commit is not None:
-            self.on_commit(unit, {"rows": table.num_rows, **stats})
+            self.on_commit(unit, {"rows": unit.num_rows, "output_rows": table.num_rows, **stats})

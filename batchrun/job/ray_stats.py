@@ -74,7 +74,7 @@ class RayCounters:
             self._committed_rows += int(marker.get("rows", 0))
             self._committed_out_tokens += int(marker.get("output_tokens", 0))
         if self.unit_deaths.get(k, 0) >= self.run.rt.max_unit_attempts or \
-                (self.unit_failures.get(k) and int(marker.get("errors", 0)) == int(marker.get("rows", -1))):
+                (self.unit_failures.get(k) and int(marker.get("errors", 0)) == int(marker.get("output_rows", marker.get("rows", -1)))):
             self.units_given_up += 1
 
     def aggregate(self) -> None:

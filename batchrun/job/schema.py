@@ -21,7 +21,8 @@ from batchrun.engine.config import EngineConfig
 from batchrun.outputs import SamplingParams
 
 
-OUTPUT_COLUMNS = ("id", "output", "finish_reason", "error", "prompt_tokens", "output_tokens", "shared", "prompt")
+OUTPUT_COLUMNS = ("id", "output", "finish_reason", "error", "prompt_tokens", "output_tokens", "shared", "prompt",
+                  "sample_index", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
 
 
 class JobError(ValueError):
@@ -175,7 +176,7 @@ class RuntimeSpec(_Strict):
     units_in_flight: Optional[int] = Field(None, ge=1)  # per replica; None: 2 x plan.window_units
 
 
-SamplingSpec = _model_from_dataclass("SamplingSpec", SamplingParams, {"n"})
+SamplingSpec = _model_from_dataclass("SamplingSpec", SamplingParams, set())
 EngineSpec = _model_from_dataclass("EngineSpec", EngineConfig, {"model", "dtype", "extra"})
 
 

@@ -96,6 +96,9 @@ def parse_job(data: Any, source: str = "<job>", base_dir: str = ".") -> JobSpec:
     _check_output_location(spec, source)
     try:
         spec.sampling_params()
+    except (ValueError, TypeError) as e:
+        raise JobError(f"{source}: sampling: {e}") from None
+    try:
         EngineConfig(model=spec.model.path, dtype=spec.model.dtype, **spec.engine_kwargs())
     except (ValueError, TypeError) as e:
         raise JobError(f"{source}: {e}") from None

@@ -1,0 +1,139 @@
+"""Logits processors with vLLM's semantics, batched over a step's rows: bad_words, min_tokens, logit_bias,
+then the repetition, frequency and presence penalties (vLLM's order), all as tensor ops over [S, V].
+
+The per-row Python work is over each row's own tokens, words and bias entries, never over the vocabulary:
+output-token counts come from one scatter_add of the rows' padded output ids into [R, V + 1] (the pad
+column is dropped), the prompt mask from one scatter of each row's distinct prompt ids (kept per
+sequence, computed once). The model's raw logits are never changed: apply() returns a new tensor.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Sequence as Seq
+
+import numpy as np
+import torch
+
+
+def bad_words_token_ids(words: Iterable[str], tokenizer: Any) -> list[list[int]]:
+    """Each bad word's token ids, as vLLM tokenizes them: the word as is, and with one leading space when
+    that gives a different first token in as many tokens (so the word is banned mid-text too)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if plain:
+            out.append(list(plain))
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(list(spaced))
+    return out
+
+
+class RowState:
+    """What one sequence's processors keep between steps: its bad words' ids, its distinct prompt ids."""
+    __slots__ = ("bad_words", "prompt_ids")
+
+    def __init__(self, bad_words: Optional[list[list[int]]] = None):
+        self.bad_words = bad_words or []
+        self.prompt_ids: Optional[torch.Tensor] = None
+
+
+def check_vocab(params: Any, bad_words: list[list[int]], vocab: int) -> Optional[str]:
+    """A row-level error naming the key whose token ids fall outside [0, vocab), or None."""
+    for t in (params.logit_bias or {}):
+        if not 0 <= t < vocab:
+            return f"logit_bias: token id {t} is outside the vocabulary [0, {vocab})"
+    for ids in bad_words:
+        if any(not 0 <= t < vocab for t in ids):
+            return f"bad_words: a word's token ids fall outside the vocabulary [0, {vocab})"
+    return None
+
+
+def _state(seq) -> RowState:
+    if seq.proc_state is None:
+        seq.proc_state = RowState()
+    return seq.proc_state
+
+
+def _padded(lists: list[list[int]], pad: int) -> torch.Tensor:
+    width = max(1, max(map(len, lists)))
+    a = np.full((len(lists), width), pad, dtype=np.int64)
+    for r, ids in enumerate(lists):
+        a[r, :len(ids)] = ids
+    return torch.from_numpy(a)
+
+
+def apply(logits: torch.Tensor, seqs: Seq, eos_token_ids: Iterable[int] = ()) -> torch.Tensor:
+    """logits [S, V] float32, seqs[i] the sequence of row i (its next token is scored) -> the processed
+    logits (a new tensor; `logits` itself when no row has a processor)."""
+    rows = [i for i, s in enumerate(seqs) if s.params.processed]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    S, V = logits.shape
+    dev = logits.device
+    eos = list(eos_token_ids)
+    ban_r: list[int] = []
+    ban_t: list[int] = []
+    bias_r: list[int] = []
+    bias_t: list[int] = []
+    bias_v: list[float] = []
+    pen = []
+    for i in rows:
+        seq = seqs[i]
+        p = seq.params
+        out = seq.token_ids[seq.num_prompt_tokens:]
+        for ids in _state(seq).bad_words:        # banned when the output ends with all ids but the last
+            k = len(ids) - 1
+            if k == 0 or (len(out) >= k and out[-k:] == ids[:-1]):
+                ban_r.append(i)
+                ban_t.append(ids[-1])
+        if len(out) < p.min_tokens:
+            stops = list(p.stop_token_ids) + ([] if p.ignore_eos else eos)
+            ban_r += [i] * len(stops)
+            ban_t += stops
+        if p.logit_bias:
+            bias_r += [i] * len(p.logit_bias)
+            bias_t += list(p.logit_bias)
+            bias_v += list(p.logit_bias.values())
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            pen.append(i)
+    if ban_r:
+        logits[torch.tensor(ban_r, device=dev), torch.tensor(ban_t, device=dev)] = float("-inf")
+    if bias_r:
+        logits.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
+                          torch.tensor(bias_v, device=dev, dtype=logits.dtype), accumulate=True)
+    if pen:
+        _penalties(logits, [seqs[i] for i in pen], torch.tensor(pen, device=dev), V)
+    return logits
+
+
+def _penalties(logits: torch.Tensor, seqs: list, rows: torch.Tensor, V: int) -> None:
+    """vLLM's apply_penalties over the rows `rows` of logits, in place."""
+    dev, dt = logits.device, logits.dtype
+    R = len(seqs)
+    outs = [s.token_ids[s.num_prompt_tokens:] for s in seqs]
+    counts = torch.zeros(R, V + 1, device=dev, dtype=dt)
+    counts.scatter_add_(1, _padded(outs, V).to(dev), torch.ones(R, max(1, max(map(len, outs))), device=dev,
+                                                                   dtype=dt))
+    counts = counts[:, :V]
+    x = logits[rows]
+    rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev, dtype=dt)[:, None]
+    if bool((rep != 1.0).any()):
+        prompts = []
+        for s in seqs:
+            st = _state(s)
+            if st.prompt_ids is None:
+                st.prompt_ids = torch.tensor(sorted(set(s.token_ids[:s.num_prompt_tokens])), dtype=torch.int64)
+            prompts.append(st.prompt_ids)
+        width = max(len(t) for t in prompts)
+        idx = torch.full((R, width), V, dtype=torch.int64)
+        for r, t in enumerate(prompts):
+            idx[r, :len(t)] = t
+        seen = torch.zeros(R, V + 1, device=dev, dtype=torch.bool)
+        seen.scatter_(1, idx.to(dev), True)
+        seen = seen[:, :V] | (counts > 0)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev, dtype=dt)[:, None]
+    pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev, dtype=dt)[:, None]
+    x = x - freq * counts - pres * (counts > 0).to(dt)
+    logits[rows] = x
