@@ -112,6 +112,9 @@ def weight_bytes_after(info, mode: Optional[str], group: int, lm_head: bool, dty
         if kind == "dense":
             continue
         quant += quantized_nbytes(kind, n, k, group, dtype)
+        if kind == "w8a8" and name.endswith(("o_proj.weight", "down_proj.weight")):
+            from batchrun.models.smoothquant import UNFOLDED      # their run-time 1/s, float32 [k]
+            quant += 4 * k if UNFOLDED == "runtime" else 0
         if not (tied and name == "embed_tokens.weight"):      # a tied model keeps its embedding for lookups
             total -= n * k * elem
     return total + quant, quant
