@@ -1,10 +1,11 @@
 """Logits processors with vLLM's semantics, batched over a step's rows: bad_words, min_tokens, logit_bias,
 then the repetition, frequency and presence penalties (vLLM's order), all as tensor ops over [S, V].
 
-The per-row Python work is over each row's own tokens, words and bias entries, never over the vocabulary:
-output-token counts come from one scatter_add of the rows' padded output ids into [R, V + 1] (the pad
-column is dropped), the prompt mask from one scatter of each row's distinct prompt ids (kept per
-sequence, computed once). The model's raw logits are never changed: apply() returns a new tensor.
+The per-row Python work is over each row's own tokens, words and bias entries, never over the vocabulary,
+and the penalties touch only the (row, token) entries they change: the rows' distinct output tokens with
+their counts and, for a repetition penalty, their distinct prompt tokens (kept per sequence, computed
+once), found by one numpy unique over the step's keys row * V + token; one gather, the float operations
+of vLLM's dense form, one scatter. The model's raw logits are never changed: apply() returns a new tensor.
 """
 from __future__ import annotations
 
@@ -54,14 +55,6 @@ def _state(seq) -> RowState:
     return seq.proc_state
 
 
-def _padded(lists: list[list[int]], pad: int) -> torch.Tensor:
-    width = max(1, max(map(len, lists)))
-    a = np.full((len(lists), width), pad, dtype=np.int64)
-    for r, ids in enumerate(lists):
-        a[r, :len(ids)] = ids
-    return torch.from_numpy(a)
-
-
 def apply(logits: torch.Tensor, seqs: Seq, eos_token_ids: Iterable[int] = ()) -> torch.Tensor:
     """logits [S, V] float32, seqs[i] the sequence of row i (its next token is scored) -> the processed
     logits (a new tensor; `logits` itself when no row has a processor)."""
@@ -108,32 +101,37 @@ def apply(logits: torch.Tensor, seqs: Seq, eos_token_ids: Iterable[int] = ()) ->
 
 
 def _penalties(logits: torch.Tensor, seqs: list, rows: torch.Tensor, V: int) -> None:
-    """vLLM's apply_penalties over the rows `rows` of logits, in place."""
+    """vLLM's apply_penalties over the rows `rows` of logits, in place, on the (row, token) pairs it changes:
+    each row's distinct prompt and output tokens, with their output counts (one numpy unique over the
+    step's tokens). The same float operations as the dense [R, V] form, on those entries only."""
     dev, dt = logits.device, logits.dtype
-    R = len(seqs)
-    outs = [s.token_ids[s.num_prompt_tokens:] for s in seqs]
-    counts = torch.zeros(R, V + 1, device=dev, dtype=dt)
-    counts.scatter_add_(1, _padded(outs, V).to(dev), torch.ones(R, max(1, max(map(len, outs))), device=dev,
-                                                                   dtype=dt))
-    counts = counts[:, :V]
-    x = logits[rows]
-    rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev, dtype=dt)[:, None]
-    if bool((rep != 1.0).any()):
-        prompts = []
-        for s in seqs:
+    keys, out_keys = [], []
+    for r, s in enumerate(seqs):
+        base = r * V
+        out_keys.append(np.asarray(s.token_ids[s.num_prompt_tokens:], dtype=np.int64) + base)
+        if s.params.repetition_penalty != 1.0:
             st = _state(s)
             if st.prompt_ids is None:
-                st.prompt_ids = torch.tensor(sorted(set(s.token_ids[:s.num_prompt_tokens])), dtype=torch.int64)
-            prompts.append(st.prompt_ids)
-        width = max(len(t) for t in prompts)
-        idx = torch.full((R, width), V, dtype=torch.int64)
-        for r, t in enumerate(prompts):
-            idx[r, :len(t)] = t
-        seen = torch.zeros(R, V + 1, device=dev, dtype=torch.bool)
-        seen.scatter_(1, idx.to(dev), True)
-        seen = seen[:, :V] | (counts > 0)
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev, dtype=dt)[:, None]
-    pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev, dtype=dt)[:, None]
-    x = x - freq * counts - pres * (counts > 0).to(dt)
-    logits[rows] = x
+                st.prompt_ids = np.unique(np.asarray(s.token_ids[:s.num_prompt_tokens], dtype=np.int64))
+            keys.append(st.prompt_ids + base)
+    out_all = np.concatenate(out_keys)
+    uniq_out, counts = np.unique(out_all, return_counts=True)
+    uniq = np.unique(np.concatenate(keys + [uniq_out])) if keys else uniq_out
+    if not len(uniq):
+        return
+    c = np.zeros(len(uniq), dtype=np.float32)
+    c[np.searchsorted(uniq, uniq_out)] = counts
+    r_local = torch.from_numpy(uniq // V)
+    tok = torch.from_numpy(uniq % V).to(dev)
+    r = rows[r_local.to(dev)]
+    cnt = torch.from_numpy(c).to(device=dev, dtype=dt)
+    x = logits[r, tok]
+    pick = r_local.to(dev)
+
+    def per_row(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(s.params, name) for s in seqs], device=dev, dtype=dt)[pick]
+    rep = per_row("repetition_penalty")
+    x = torch.where(x > 0, x / rep, x * rep)     # rep 1 changes nothing; prompt tokens only where rep != 1
+    x = x - per_row("frequency_penalty") * cnt
+    x = x - per_row("presence_penalty") * (cnt > 0).to(dt)
+    logits[r, tok] = x
