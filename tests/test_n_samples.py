@@ -84,3 +84,18 @@ def test_bad_job_sampling_exits_2_naming_the_key(tmp_path, sampling, msg):
     if "n" in sampling:     # the CLI: exit 2, one line, before anything is read
         p = cli("submit", write_job(str(tmp_path / "job.yaml"), job), "--no-progress")
         assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr
+
+
+def test_progress_counts_every_samples_tokens(model):
+    """The ETA's account (job/progress.py): an n=3 row is 3 x max_tokens of work and its samples' tokens all
+    count; once it finished nothing is in flight, whatever the engine's decode counter says."""
+    from batchrun.job.progress import EngineAccount
+    path, _ = model
+    llm = LLM(path, dtype="float32")
+    sp = SamplingParams(n=3, seed=2, max_tokens=5, ignore_eos=True)
+    (o,) = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], sp, use_tqdm=False)
+    acc = EngineAccount()
+    acc.admitted(sp.max_tokens * sp.n)
+    acc.finished(o, sp.max_tokens * sp.n)
+    assert acc.generated(llm.stats["decode_tokens"]) == (15, 0.0)
+    assert llm.stats["decode_tokens"] == 3 * 4       # each sample's first token came with its prefill

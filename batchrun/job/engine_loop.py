@@ -99,7 +99,7 @@ def engine_loop(p, read_q: queue.Queue, write_q: queue.Queue) -> None:
                 verdict = dd.admit(rid, key[0]) if dd is not None else RUN
                 if verdict is RUN:
                     eng.add_request(rid, ids, params, prompt=prompt)   # per-row params: openai_batch
-                    p.account.admitted(params.max_tokens)
+                    p.account.admitted(params.max_tokens * params.n)     # n samples: n x the work
                 elif verdict is not WAIT:        # an identical row finished earlier: its output, shared
                     _deliver(p, rid, verdict, states, write_q, shared=True)
             if not eng.has_unfinished_requests():
@@ -133,7 +133,8 @@ def _engine_finished(p, out, states: dict) -> None:
     """Account an output of the engine itself (not a shared one): the ETA's in-flight credit."""
     k, _, i = out.request_id.partition(":")
     rp = states[int(k)].prep.rendered.params
-    p.account.finished(out, ((rp[int(i)] if rp else None) or p.params).max_tokens)
+    params = (rp[int(i)] if rp else None) or p.params
+    p.account.finished(out, params.max_tokens * params.n)
 
 
 def _deliver(p, rid: str, out, states: dict, write_q: queue.Queue, shared: bool = False) -> None:

@@ -111,9 +111,10 @@ class EngineAccount:
     def finished(self, out, max_tokens: int) -> None:
         self.n_finished += 1
         self.finished_max += max_tokens
-        if out.finish_reason != "error" and out.token_ids:
-            self.tokens += len(out.token_ids)
-            self.rows_with_tokens += 1
+        if out.finish_reason != "error":      # each sample's first token came with its prefill
+            lengths = [len(c.token_ids) for c in (out.outputs or [out]) if c.token_ids]
+            self.tokens += sum(lengths)
+            self.rows_with_tokens += len(lengths)
 
     def generated(self, decode_tokens: int) -> tuple[int, float]:
         """(output tokens generated, row equivalents done on rows in flight). A finished row of n tokens
