@@ -121,7 +121,7 @@ def calibrate_model(model: nn.Module, info, config, kv_dtype: torch.dtype, rows)
     "quantized_bytes" for w8a8) or None. Raises ValueError naming the knob for a setting it cannot take."""
     from batchrun.kernels.kv_quant import is_fp8
     from batchrun.models.calibration import calibrate, needs_calibration
-    from batchrun.models.quant import kernels_enabled
+    from batchrun.models.quant_weights import kernels_enabled
     if not needs_calibration(config):
         return None
     w8a8 = config.quantization == "w8a8"

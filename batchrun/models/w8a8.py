@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from batchrun.models.quant import QuantizedWeight
+from batchrun.models.quant_weights import QuantizedWeight
 
 KERNELS = ("int_mm", "onednn", "float")
 # row-count buckets: a product of m rows uses the kernel chosen for the first bucket >= m (the last beyond)
