@@ -108,6 +108,11 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
               f"-> {summary['output']}; this run {summary['rows_this_run']} rows in {summary['wall_s']:.1f}s, "
               f"{summary['output_tokens_per_s'] or 0:.0f} output tok/s, engine busy "
               f"{100 * (summary['engine_busy_fraction'] or 0):.1f}%")
+        gemm = (summary.get("memory_ledger") or {}).get("cpu_gemm")
+        if gemm:        # which implementation ran the bf16 projections, per weight shape and row count
+            how = "cached" if gemm["cached"] else f"measured in {gemm['measure_s']:.2f}s" if gemm["times_us"] else "forced"
+            print(f"bf16 projections (cpu_gemm {gemm['mode']}, {how}): "
+                  + "; ".join(f"{s} {f}" for s, f in gemm["choice"].items()))
 
 
 def _backend(spec, ray_address: Optional[str], as_json: bool):

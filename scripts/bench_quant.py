@@ -187,12 +187,12 @@ def rows_sweep(rows: list[int], reps: int) -> None:
     """ms for all 30 layers' projections of SmolLM2's shapes at each row count: bf16 (oneDNN-packed when
     supported); int8 through torch's kernel in one call and cast-then-matmul; int4 (group 64) through torch's
     kernel in one call and in chunks of INT4_KERNEL_ROWS rows."""
-    from batchrun.models.cpu_linear import linear, pack, packing_supported
+    from batchrun.models.cpu_linear import forms_for, linear, pack
     from batchrun.models.quant import quantize_int4, quantize_int8
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
     ws = [torch.randn(n, k) * 0.05 for n, k in shapes]
     dt = torch.bfloat16
-    dense = [pack(w.to(dt), 64) if packing_supported(dt) else w.to(dt) for w in ws]
+    dense = [pack(w.to(dt), forms_for(w.shape)[0]) for w in ws]      # batchrun's kernel where it runs
     i8 = [quantize_int8(w, dt) for w in ws]
     i4 = [quantize_int4(w, 64, dt) for w in ws]
     ways = {"bf16": lambda j, x: linear(x, dense[j]), "int8 kernel": lambda j, x: i8[j]._kernel(x),

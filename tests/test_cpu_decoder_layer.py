@@ -9,7 +9,7 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.kernels import cpu_decoder_layer
-from batchrun.models import cpu_fused
+from batchrun.models import cpu_fused, kernel_choice as kc
 from conftest import mixed_prompts
 
 pytestmark = pytest.mark.skipif(not cpu_decoder_layer.available(),
@@ -28,8 +28,22 @@ def _generate(llm) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_every_step_equals_the_per_op_path_bit_for_bit(hf_models, arch):
+def _mixed(model, forms_by_shape, batch_hint):
+    """kernel_choice.measure's times making each shape's forms win in turn per row-count bucket."""
+    return {s: [[1.0 if i == b % len(fs) else 9.0 for i in range(len(fs))] for b in range(len(kc.ROWS))]
+            for s, fs in forms_by_shape.items()}
+
+
+@pytest.mark.parametrize("arch,gemm", [("llama", "own"), ("mistral", "own"), ("llama", "onednn"),
+                                       ("llama", "plain"), ("llama", "mixed")])
+def test_every_step_equals_the_per_op_path_bit_for_bit(hf_models, monkeypatch, arch, gemm):
+    """Whichever form runs the projections (kernel_choice: own, oneDNN, plain, or per bucket)."""
+    if gemm == "mixed":
+        monkeypatch.delenv(kc.GEMM_ENV, raising=False)
+        monkeypatch.setenv(kc.CACHE_ENV, "0")
+        monkeypatch.setattr(kc, "measure", _mixed)
+    else:
+        monkeypatch.setenv(kc.GEMM_ENV, gemm)
     llm = LLM(hf_models[arch][0], **KW)
     assert llm.engine.memory_ledger["decoder_layer_op"] is True
     model = llm.engine.runner.model
@@ -73,7 +87,7 @@ def test_float32_keeps_the_per_op_path(hf_models):
 def test_bad_arguments_are_refused(hf_models):
     llm = LLM(hf_models["llama"][0], dtype="bfloat16", max_num_seqs=2)
     model, kv = llm.engine.runner.model, llm.engine.runner.kv_caches
-    w = model._layer_op_args[0][0]
+    w = model._layer_op_args[0][0][0]         # bucket 0 (one row), layer 0: its weights
     h = torch.zeros(1, 64, dtype=torch.bfloat16)
     cos_sin, pos = model.cos_sin, torch.zeros(1, dtype=torch.long)
     step = (torch.zeros(1, dtype=torch.long), torch.tensor([0, 1], dtype=torch.int32),

@@ -7,7 +7,8 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.kernels import cpu_gemm
-from batchrun.models.cpu_linear import GEMM_ENV, linear, pack
+from batchrun.models.cpu_linear import linear, pack
+from batchrun.models.kernel_choice import GEMM_ENV
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.supported(), reason="this CPU has neither AVX-512 BF16 nor AVX2")
 MACHINE_ISA = cpu_gemm.isa() if cpu_gemm.supported() else "none"
@@ -77,7 +78,7 @@ def test_bias_and_the_model_side_dispatch():
     w = (torch.randn(64, 32) * 0.1).to(torch.bfloat16)
     b = torch.randn(64).to(torch.bfloat16)
     x = torch.randn(5, 32).to(torch.bfloat16)
-    wp = pack(w, 8)
+    wp = pack(w, "own")
     assert wp.dim() in (4, 5)                                        # batchrun's layouts, not oneDNN's
     within_bound(linear(x, wp), x, w)
     ref = torch.nn.functional.linear(x, w, b)

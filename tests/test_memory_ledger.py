@@ -15,8 +15,8 @@ from test_job_common import tiny_model  # noqa: F401 - fixture
 def unpacked(monkeypatch):
     """bf16 projections stay as loaded (no packed copy, which the ledger counts apart as packed_extra_bytes),
     so the model's own tensors are the oracle of weights_bytes."""
-    from batchrun.models.cpu_linear import PACKED_LINEAR_ENV
-    monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
+    from batchrun.models.kernel_choice import GEMM_ENV
+    monkeypatch.setenv(GEMM_ENV, "plain")
 
 
 def engine_bytes(path, dtype, **kw):

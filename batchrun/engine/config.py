@@ -53,6 +53,10 @@ class EngineConfig:
     tensor_parallel_size: ranks one model is split over (models/tp.py): heads and MLP rows sharded, one
         process per rank (gloo on CPU: each rank gets threads / size cores; NCCL on CUDA: GPU r), rank 0 in
         the engine's process. 1: no split.
+    cpu_gemm: which implementation runs the bf16 projections on CPU (models/kernel_choice.py): "auto" (each
+        weight shape and row-count bucket gets the fastest of batchrun's kernel, oneDNN and F.linear, timed at
+        engine start on the loaded model and cached per CPU), or "own", "onednn", "plain" to force one
+        (where it cannot hold a weight, the first that can). $BATCHRUN_CPU_GEMM sets it where this is auto.
     kv_cache_dtype: "auto" (the model's dtype), "fp8_e4m3" (alias "fp8") or "fp8_e5m2": K/V stored as float8
         with a per-layer k_scale / v_scale (1.0), converted in the attention op; half of bf16's bytes.
     """
@@ -81,6 +85,7 @@ class EngineConfig:
     quantize_lm_head: bool = False
     quantization_calibration: Union[int, str, None] = None
     kv_cache_dtype: str = "auto"
+    cpu_gemm: str = "auto"
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
     extra: dict[str, Any] = field(default_factory=dict)
@@ -118,6 +123,8 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.cpu_gemm not in CPU_GEMM_MODES:
+            raise ValueError(f"cpu_gemm must be one of {', '.join(CPU_GEMM_MODES)}, got {self.cpu_gemm!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
@@ -142,6 +149,7 @@ def default_threads() -> int:
 
 # vLLM's names: "fp8" is fp8_e4m3 (torch.float8_e4m3fn); batchrun.kernels.kv_quant maps them to dtypes
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+CPU_GEMM_MODES = ("auto", "own", "onednn", "plain")      # kernel_choice.MODES (that module imports torch)
 
 # Defaults of the knobs left None, per device.
 # CPU: measured on SmolLM2-135M-Instruct (bf16) summarising stdlib docstrings (150-500-token chat

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 
 import torch
@@ -23,7 +22,8 @@ from batchrun.kernels import cpu_argmax
 from batchrun.kernels.kv_quant import bytes_view, kv_dtype
 from batchrun.models.attention import TorchAttentionBackend
 from batchrun.models.cpu_fused import fused_ops_supported, use_fused_layer_ops
-from batchrun.models.cpu_linear import PACKED_LINEAR_ENV, pack_linear_weights, packing_supported
+from batchrun.models import kernel_choice
+from batchrun.models.cpu_linear import pack_linear_weights, packing_supported
 from batchrun.models.llama import LlamaModel
 from batchrun.models.loader import ModelError, ModelInfo, load_weights
 from batchrun.models.quant import apply_quantization, check_quantization, kernels_enabled
@@ -85,6 +85,10 @@ class ModelRunner:
         if config.kv_cache_memory is not None:        # refuse before any weight is read
             check_fits_one_sequence(self, int(config.kv_cache_memory), self.kv_bytes_per_token, per_seq,
                                           max_model_len)
+        try:
+            gemm_mode = kernel_choice.resolve_mode(config.cpu_gemm)
+        except ValueError as e:
+            raise ModelError(str(e)) from e
         self.quantization = config.quantization
         try:
             check_quantization(config.quantization, config.quantization_group_size, info, self.device)
@@ -150,10 +154,16 @@ class ModelRunner:
                              and not self.quantization and self.world == 1)
         if self.compiled:
             self.model.compile_dense()
-        # bf16 projections through oneDNN's packed layout (models/cpu_linear.py); off under torch.compile
-        self.packed_linear = (self.device.type == "cpu" and not self.compiled and packing_supported(self.dtype)
-                              and os.environ.get(PACKED_LINEAR_ENV, "1") != "0")
-        self.packed_extra_bytes = pack_linear_weights(model, config.max_num_seqs) if self.packed_linear else 0
+        # bf16 projections in the forms measured fastest here per row count (models/kernel_choice.py:
+        # own kernel, oneDNN, plain F.linear); off under torch.compile
+        self.kernel_choice, self.packed_extra_bytes = None, 0
+        if self.device.type == "cpu" and not self.compiled and packing_supported(self.dtype):
+            chosen = kernel_choice.choose(model, gemm_mode, self.threads, config.max_num_seqs)
+            self.kernel_choice = chosen["report"]
+            self.packed_extra_bytes = pack_linear_weights(model, chosen["choice"], kernel_choice.bucket_of,
+                                                          config.max_num_seqs)
+        self.packed_linear = self.kernel_choice is not None and any(
+            not c.startswith("plain") or "," in c for c in self.kernel_choice["choice"].values())
         # norms, RoPE and SwiGLU's activation as one compiled op each (models/cpu_fused.py); eager CPU only
         self.fused_layer_ops = not self.compiled and fused_ops_supported(self.device, self.dtype)
         if self.fused_layer_ops:     # and the whole layer as one op where it can (not under TP: its all-reduces)
@@ -197,6 +207,7 @@ class ModelRunner:
             "tensor_parallel_size": self.world,     # weights and KV above are one rank's
             "compiled": self.compiled,
             "packed_linear": self.packed_linear, "packed_extra_bytes": self.packed_extra_bytes,
+            "cpu_gemm": self.kernel_choice,
             "fused_layer_ops": self.fused_layer_ops, "decoder_layer_op": self.decoder_layer_op,
             "quantization": self.quantization, "quantized_bytes": self.quantized_bytes,
             "quant_kernels": bool(self.quantization) and kernels_enabled(),

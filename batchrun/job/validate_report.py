@@ -33,6 +33,31 @@ def _kv_budget_estimate(spec: JobSpec, weights_bytes: int, kv_bytes_per_token: i
                                else "half the available RAM") + "; pages touched only as used"
 
 
+def _cpu_gemm(spec: JobSpec, info, dtype) -> dict[str, Any]:
+    """Which implementation will run the bf16 projections (models/kernel_choice.py), without loading weights:
+    a forced form, auto's choice cached by an earlier start on this machine, or "measured at start"."""
+    import torch
+    from batchrun.engine.config import default_threads
+    from batchrun.engine.runner import resolve_device
+    from batchrun.models import kernel_choice
+    from batchrun.models.llama import LlamaModel
+    e = spec.engine
+    mode = kernel_choice.resolve_mode(e.cpu_gemm)
+    if resolve_device(e.device).type != "cpu" or dtype != torch.bfloat16 or e.compile or e.tensor_parallel_size > 1:
+        return {"mode": mode, "choice": None, "note": "fixed path (bf16 on CPU, eager, one rank measures)"}
+    from batchrun.kernels import cpu_attention
+    if mode != "auto":
+        return {"mode": mode, "choice": None, "note": f"forced: {mode} wherever it can hold the weight"}
+    with torch.device("meta"):
+        model = LlamaModel(info.args, 8, device=torch.device("meta"))
+    threads = e.threads or default_threads()
+    built = (cpu_attention.build_dir() / "built").exists()
+    choice = kernel_choice.cached_choice(kernel_choice.projection_shapes(model), threads) if built else None
+    note = "cached from an earlier start on this machine" if choice else "measured at engine start (under a second)"
+    return {"mode": mode, "choice": choice, "note": note + ("" if not e.quantization else
+                                                            "; quantized layers run their own kernels")}
+
+
 def _stats(xs: list[int]) -> dict[str, Any]:
     if not xs:
         return {"count": 0}
@@ -86,7 +111,8 @@ def plan_report(plan: JobPlan, sample: int = 256) -> dict[str, Any]:
               "max_model_len": max_len, "kv_cache_bytes": budget, "kv_budget": how,
               "kv_tokens": kv_tokens,
               "max_concurrency_at_max_model_len": None if kv_tokens is None else round(kv_tokens / max_len, 2),
-              "max_num_seqs": spec.engine.max_num_seqs or "device default"}
+              "max_num_seqs": spec.engine.max_num_seqs or "device default",
+              "cpu_gemm": _cpu_gemm(spec, info, dtype)}
     sink = ParquetSink(spec.output.uri, spec.output.storage_options, create=False)
     led = Ledger(sink)
     manifest = led.read_manifest()
@@ -147,5 +173,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines += [f"memory  KV {m['kv_bytes_per_token']} B/token ({m['kv_cache_dtype']}); cache {mib(m['kv_cache_bytes'])} ({m['kv_budget']})"
               f" = {m['kv_tokens']} tokens = {m['max_concurrency_at_max_model_len']} sequences at max_model_len; "
               f"max_num_seqs {m['max_num_seqs']}",
-              f"output  {r['output']['uri']}: {r['output']['state']}"]
+              f"gemm    cpu_gemm {m['cpu_gemm']['mode']}: {m['cpu_gemm']['note']}"]
+    lines += [f"          {shape:<10} {forms}" for shape, forms in (m["cpu_gemm"]["choice"] or {}).items()]
+    lines += [f"output  {r['output']['uri']}: {r['output']['state']}"]
     return "\n".join(lines)

@@ -7,8 +7,8 @@ activation; the residual add fused into the post-attention norm), ~15 calls per 
 but for a few float32 ulp (kernels/cpu_layer_ops.py says where). use_fused_layer_ops() installs them;
 BATCHRUN_CPU_FUSED_OPS=0 keeps the torch math.
 
-Where every layer is a bf16 Llama/Mistral layer with packed projections (models/cpu_linear.py's own layout),
-the whole layer, attention included, is one call (kernels/cpu_decoder_layer.py): the same ops in the same
+Where every layer is a bf16 Llama/Mistral layer (its projections in any of models/cpu_linear.py's forms,
+chosen per step's rows), the whole layer, attention included, is one call (kernels/cpu_decoder_layer.py): the same ops in the same
 order as pre_attention -> attention -> post_attention here, so bit-identical to them, which remain its
 reference and the path for everything else. BATCHRUN_CPU_LAYER_OP=0 keeps the per-op path.
 """
@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 from batchrun.kernels import cpu_decoder_layer, cpu_layer_ops as ops
-from batchrun.models.cpu_linear import linear
+from batchrun.models.cpu_linear import ChosenWeight, linear
+from batchrun.models.kernel_choice import ROWS, bucket_of
 from batchrun.models.llama import DenseFns
 
 FUSED_OPS_ENV = "BATCHRUN_CPU_FUSED_OPS"
@@ -68,19 +69,29 @@ def fused_ops_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def whole_layers(model, h: torch.Tensor, rope: tuple, kv_caches: torch.Tensor, meta, backend) -> torch.Tensor:
-    """LlamaModel.run_layers with one decoder_layer call per layer; the per-op path where attention does not
-    run the compiled op (BATCHRUN_CPU_ATTENTION=torch, another backend)."""
+    """LlamaModel.run_layers with one decoder_layer call per layer, its projections in the forms chosen for
+    this step's rows; the per-op path where attention does not run the compiled op (BATCHRUN_CPU_ATTENTION=torch,
+    another backend)."""
     ready = getattr(backend, "op_ready", None)
     if ready is None or not ready(h):
         return model.run_layers(h, rope, kv_caches, meta, backend)
     cos_sin, positions = rope
     h = h.contiguous()
     step = (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables)
-    for i, (layer, (weights, shape)) in enumerate(zip(model.layers, model._layer_op_args)):
+    args = model._layer_op_args[bucket_of(h.shape[0])]      # the projections' forms for this many rows
+    for i, (layer, (weights, shape)) in enumerate(zip(model.layers, args)):
         a = layer.self_attn        # the KV scales are read per call: a calibration may set them after load
         cpu_decoder_layer.decoder_layer(h, weights, kv_caches, i, cos_sin, positions, *step, *shape,
                                         a.k_scale, a.v_scale)
     return h
+
+
+def _op_form(w) -> bool:
+    """A projection weight the op can run: bf16 in the own layouts, oneDNN's, or plain [n, K] (or a
+    ChosenWeight of those)."""
+    if isinstance(w, ChosenWeight):
+        return all(_op_form(f) for f in w.forms.values())
+    return isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and (w.dim() >= 4 or w.dim() == 2)
 
 
 def _layer_op_args(layer) -> Optional[tuple]:
@@ -88,8 +99,7 @@ def _layer_op_args(layer) -> Optional[tuple]:
     run this layer, else None."""
     a, mlp = layer.self_attn, layer.mlp
     projs = (a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
-    if a.qk_norm or a.qkv_proj.bias is not None or not all(
-            isinstance(w, torch.Tensor) and w.dim() >= 4 and w.dtype == torch.bfloat16 for w in projs):
+    if a.qk_norm or a.qkv_proj.bias is not None or not all(_op_form(w) for w in projs):
         return None
     qkv, o, gate_up, down = projs
     weights = (layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down)
@@ -105,6 +115,7 @@ def use_fused_layer_ops(model, whole_layer: bool = True) -> None:
     if not whole_layer or os.environ.get(LAYER_OP_ENV, "1") == "0" or not cpu_decoder_layer.available():
         return
     args = [_layer_op_args(layer) for layer in model.layers]
-    if all(a is not None for a in args):
-        model._layer_op_args = args
+    if all(a is not None for a in args):     # per row-count bucket: each ChosenWeight in that bucket's form
+        model._layer_op_args = [[(tuple(w.form_for(rows) if isinstance(w, ChosenWeight) else w for w in ws), shape)
+                                 for ws, shape in args] for rows in ROWS]
         model._dense_fns = FUSED_DENSE._replace(layers=whole_layers)

@@ -9,7 +9,8 @@
 //     slot_mapping [T] int64, query_start_loc [B+1], seq_lens [B], block_tables [B, W] int32,
 //     num_heads, eps, scale, sliding_window, k_scale, v_scale) -> ()
 //
-// The weights are cpu_gemm.pack()ed ([n/16, K/2, 16, 2] or [n/64, K/2, 4, 16, 2]). h is the residual stream
+// Each projection weight is cpu_gemm.pack()ed ([n/16, K/2, 16, 2] or [n/64, K/2, 4, 16, 2]), oneDNN-packed, or a
+// plain [n, K] tensor: the form models/kernel_choice.py measured fastest for this step's rows. h is the residual stream
 // and becomes the layer's output in place; layer `layer`'s K/V of this step go into kv_caches.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -17,7 +18,11 @@
 #include <torch/headeronly/core/ScalarType.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "ops.h"
 #include "vec.h"
@@ -79,7 +84,29 @@ void prefetch_kv(const char* k, const char* v, int64_t block_bytes, int64_t bs, 
     }
 }
 
-int64_t packed_n(const Tensor& wp) { return wp.size(0) * (wp.dim() == 5 ? 64 : 16); }  // cpu_gemm.packed_rows
+// A projection's output rows: cpu_gemm.packed_rows for the own layouts, size(0) for [n, K] weights
+int64_t packed_n(const Tensor& wp) { return wp.dim() >= 4 ? wp.size(0) * (wp.dim() == 5 ? 64 : 16) : wp.size(0); }
+
+// x [T, K] @ w.T by whichever implementation the weight's form says the engine chose for this step's rows
+// (models/kernel_choice.py): the own kernel's packed layouts, oneDNN's packed layout (mkldnn
+// _linear_pointwise: AMX where the CPU has it), or a plain [n, K] weight through torch's F.linear.
+Tensor project(const Tensor& x, const Tensor& w, int64_t n) {
+  if (w.dim() >= 4) return brcpu::bf16_linear(x, w, n);
+  if (w.layout() == torch::headeronly::Layout::Mkldnn) {
+    std::array<StableIValue, 6> stack{
+        torch::stable::detail::from(x), torch::stable::detail::from(w),
+        torch::stable::detail::from(std::nullopt), torch::stable::detail::from(std::string("none")),
+        torch::stable::detail::from(std::vector<int64_t>{}),
+        torch::stable::detail::from(std::optional<std::string>(std::string("")))};
+    STABLE_TORCH_ERROR_CODE_CHECK(
+        torch_call_dispatcher("mkldnn::_linear_pointwise", "", stack.data(), TORCH_ABI_VERSION));
+    return torch::stable::detail::to<Tensor>(stack[0]);
+  }
+  std::array<StableIValue, 3> stack{torch::stable::detail::from(x), torch::stable::detail::from(w),
+                                    torch::stable::detail::from(std::nullopt)};
+  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("aten::linear", "", stack.data(), TORCH_ABI_VERSION));
+  return torch::stable::detail::to<Tensor>(stack[0]);
+}
 
 void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln2_w, Tensor gate_up_wp,
                    Tensor down_wp, Tensor kv_caches, int64_t layer, Tensor cos_sin, Tensor positions,
@@ -112,7 +139,7 @@ void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln
     prefetch_kv(kv, kv + kv_caches.stride(1) * esz, cs2 * esz, bs, N, seq_lens, block_tables, sliding_window);
 
   // input norm -> qkv projection -> RoPE of q and k in place -> K/V stored -> paged attention
-  Tensor qkv = brcpu::bf16_linear(brcpu::rms_norm(h, ln1_w, eps), qkv_wp, W);          // [T, W]
+  Tensor qkv = project(brcpu::rms_norm(h, ln1_w, eps), qkv_wp, W);          // [T, W]
   auto* p = static_cast<c10::BFloat16*>(qkv.data_ptr());
   Tensor q = over(p, h, ScalarType::BFloat16, {T, num_heads, D}, {W, D, 1});
   Tensor k = over(p + q_size, h, ScalarType::BFloat16, {T, Hkv, D}, {W, D, 1});
@@ -124,8 +151,8 @@ void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln
 
   // o_proj added into h, its norm -> gate/up -> SwiGLU -> down, added into h
   Tensor o2 = over(o.data_ptr(), h, ScalarType::BFloat16, {T, q_size}, {q_size, 1});
-  Tensor x = brcpu::add_rms_norm(brcpu::bf16_linear(o2, o_wp, H), h, ln2_w, eps);
-  add_(h, brcpu::bf16_linear(brcpu::silu_mul(brcpu::bf16_linear(x, gate_up_wp, packed_n(gate_up_wp))), down_wp, H));
+  Tensor x = brcpu::add_rms_norm(project(o2, o_wp, H), h, ln2_w, eps);
+  add_(h, project(brcpu::silu_mul(project(x, gate_up_wp, packed_n(gate_up_wp))), down_wp, H));
 }
 
 }  // namespace
@@ -138,3 +165,5 @@ STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) { m.impl("decoder_layer", TORCH_BOX(&decoder_layer)); }
+// a oneDNN-packed weight among the arguments makes the dispatcher pick this key
+STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, MkldnnCPU, m) { m.impl("decoder_layer", TORCH_BOX(&decoder_layer)); }
