@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from batchrun.structured_outputs import StructuredOutputsParams, as_params
+
 
 @dataclass
 class SamplingParams:
@@ -31,6 +33,8 @@ class SamplingParams:
     prompt_logprobs: k -> each prompt token's logprob given its prefix (the first: None) and the top k.
         Both come from the raw distribution: log_softmax of the model's logits before penalties,
         bias, temperature and filters (vLLM's default logprobs_mode raw_logprobs). k <= MAX_LOGPROBS.
+    structured_outputs: a StructuredOutputsParams (or a dict of its keys): the output follows a JSON
+        schema, a regex, a choice list or a grammar (engine/structured.py); no n-gram speculation for it.
     The processors run in vLLM's order: bad_words, min_tokens, logit_bias, then the penalties
     (engine/logits_processors.py).
     """
@@ -55,6 +59,7 @@ class SamplingParams:
     bad_words: Optional[list[str]] = None
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    structured_outputs: Union[dict, StructuredOutputsParams, None] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +81,7 @@ class SamplingParams:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         check_penalties(self)
+        self.structured_outputs = as_params(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -90,7 +96,8 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """No processor and no logprobs: the runner's fast paths and n-gram speculation apply."""
-        return not self.processed and self.logprobs is None and self.prompt_logprobs is None
+        return (not self.processed and self.logprobs is None and self.prompt_logprobs is None
+                and self.structured_outputs is None)
 
 
 MAX_LOGPROBS = 20       # as OpenAI's top_logprobs

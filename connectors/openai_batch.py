@@ -10,13 +10,13 @@ Body keys:
     honoured: messages, max_tokens / max_completion_tokens, temperature, top_p, stop, seed, n (one output
               row per sample, `choices` with n entries), presence_penalty, frequency_penalty, logit_bias
               ({"token id": bias}), logprobs + top_logprobs (<= 20; OpenAI's `logprobs.content` in the
-              output, from the raw distribution), and vLLM's extensions top_k, min_p, ignore_eos,
+              output, from the raw distribution), response_format json_schema (its json_schema.schema:
+              structured_outputs json) / json_object / text, and vLLM's extensions top_k, min_p, ignore_eos,
               stop_token_ids, include_stop_str_in_output, repetition_penalty, min_tokens, bad_words
     ignored:  keys that do not change the generated text: model (the job's model answers), user,
               metadata, store, service_tier, stream: false, stream_options, parallel_tool_calls,
               and the neutral value of any key below
-    refused (error row): any other key, or a non-neutral value of response_format other than
-              {"type": "text"}, tools, tool_choice other than "none", stream: true,
+    refused (error row): any other key, or a non-neutral value of tools, tool_choice other than "none", stream: true,
               skip_special_tokens: false; top_logprobs without logprobs: true
 """
 from __future__ import annotations
@@ -57,10 +57,10 @@ LOGPROB_KEYS = ("logprobs", "top_logprobs")       # OpenAI's pair -> SamplingPar
 IGNORED_KEYS = {"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"}
 # key -> the values that change nothing (accepted and ignored); any other value is refused
 NEUTRAL: dict[str, tuple] = {
-    "stream": (False,), "response_format": ({"type": "text"},),
+    "stream": (False,),
     "tools": ([],), "tool_choice": ("none",), "skip_special_tokens": (True,),
 }
-SUPPORTED = sorted({"messages", "stop", *SAMPLING_KEYS, *LOGPROB_KEYS, *IGNORED_KEYS, *NEUTRAL})
+SUPPORTED = sorted({"messages", "stop", "response_format", *SAMPLING_KEYS, *LOGPROB_KEYS, *IGNORED_KEYS, *NEUTRAL})
 
 
 class _Invalid(Exception):
@@ -105,6 +105,11 @@ def _sampling(body: dict) -> dict:
     for key, value in body.items():
         if key in ("messages",) or key in IGNORED_KEYS or key in LOGPROB_KEYS:
             continue
+        if key == "response_format":
+            so = _response_format(value)
+            if so is not None:
+                over["structured_outputs"] = so
+            continue
         if key in NEUTRAL:
             if value is not None and value not in NEUTRAL[key]:
                 raise _Invalid(f"body.{key}={json.dumps(value)}: not supported by batchrun "
@@ -136,6 +141,23 @@ def _sampling(body: dict) -> dict:
     if k is not None:
         over["logprobs"] = k
     return over
+
+
+def _response_format(value: Any) -> Optional[dict]:
+    """OpenAI's response_format -> SamplingParams.structured_outputs (None: free text)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = value.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise _Invalid("body.response_format.json_schema.schema: a JSON schema object is required")
+        return {"json": js["schema"]}
+    raise _Invalid(f"body.response_format={json.dumps(value)}: expected type text, json_object or json_schema")
 
 
 def _logprobs(on: Any, top: Any) -> Optional[int]:

@@ -15,6 +15,7 @@ from batchrun.engine.runner import ModelRunner, build_tp_worker, resolve_device
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, SeqStatus
 from batchrun.engine.speculative import NgramProposer, SeqSpecState, SpecConfig
+from batchrun.engine.structured import Grammars, end_complete
 from batchrun.models.calibration import needs_calibration, resolve_rows
 from batchrun.models.loader import ModelError, inspect_model
 from batchrun.outputs import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
@@ -73,6 +74,8 @@ class LLMEngine:
                                    stop_strings=self._hit_stop_string)
         self.spec_config = SpecConfig.from_dict(config.speculative_config)
         self.proposer = NgramProposer(self.spec_config) if self.spec_config else None
+        # structured outputs: compiled per distinct spec, a matcher per sequence (engine/structured.py)
+        self.grammars = Grammars(tokenizer, info.config["vocab_size"], self.eos_token_ids, self.runner.threads)
         self._pending_errors: list[Sequence] = []
         self._samples: dict[str, list] = {}     # request id of n > 1 -> its samples' outputs so far
         self._bad_words: dict[tuple, list[list[int]]] = {}   # bad_words -> their token ids
@@ -124,6 +127,8 @@ class LLMEngine:
                 seq = Sequence(request_id, prompt_token_ids, params, prompt, self._arrivals)
                 seq.sample_index = k
                 seq.proc_state = RowState(self._bad_words.get(tuple(params.bad_words or ())))
+            if params.structured_outputs is not None:
+                seq.grammar = self.grammars.new_state(params.structured_outputs)
             if params.seed is not None and not params.greedy:
                 seq.generator = self.runner.make_generator(params.seed + k)
             self.scheduler.add(seq)
@@ -141,6 +146,10 @@ class LLMEngine:
         if blocks_needed(n + p.max_tokens, self.kv.block_size) > self.kv.num_blocks:
             return (f"prompt of {n} tokens + max_tokens={p.max_tokens} needs more KV blocks than the "
                     f"whole cache holds ({self.kv.num_blocks} x {self.kv.block_size} tokens)")
+        if p.structured_outputs is not None:
+            error = self.grammars.check(p.structured_outputs)
+            if error is not None:
+                return error
         if p.processed:
             key = tuple(p.bad_words or ())
             if key not in self._bad_words:
@@ -180,6 +189,7 @@ class LLMEngine:
             if self.proposer is not None:
                 self._record_drafts(sched, sampled)
             finished += self.scheduler.update(sched, sampled, time.perf_counter())
+            finished += end_complete(sched, self.scheduler, time.perf_counter())   # grammars that ended
             self._stats["steps"] += 1
             self._stats["batched_tokens"] += sched.num_batched_tokens
         outs = [self._output(s) for s in finished]

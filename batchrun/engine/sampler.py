@@ -10,6 +10,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from batchrun.engine import logits_processors as processors
+from batchrun.engine import structured
 from batchrun.engine.logprobs import record_sampled
 
 
@@ -19,7 +20,7 @@ def process_logits(logits: torch.Tensor, seqs: Seq, eos_token_ids=()) -> torch.T
     constraints such as a structured-output token bitmask. `logits` itself is never changed (the raw
     logprobs are read from it)."""
     logits = processors.apply(logits, seqs, eos_token_ids)
-    return logits
+    return structured.apply(logits, seqs)
 
 
 def sample_seqs(logits: torch.Tensor, seqs: Seq, default_generator: Optional[torch.Generator] = None,

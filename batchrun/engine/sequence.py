@@ -18,7 +18,8 @@ class Sequence:
                  "num_computed_tokens", "block_table", "finish_reason", "error", "text",
                  "arrival_time", "first_scheduled_time", "first_token_time", "finish_time",
                  "generator", "num_cached_tokens", "spec", "arrival_index", "block_keys",
-                 "host_blocks", "draft", "sample_index", "proc_state", "logprobs", "prompt_logprobs")
+                 "host_blocks", "draft", "sample_index", "proc_state", "logprobs", "prompt_logprobs",
+                 "grammar")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: Any,
                  prompt: Optional[str] = None, arrival_index: int = 0):
@@ -48,6 +49,7 @@ class Sequence:
         self.proc_state: Any = None         # logits processors' state (engine/logits_processors.py)
         self.logprobs: Optional[list] = None         # per output token: (ids, logprobs, rank), logprobs=k
         self.prompt_logprobs: Optional[list] = None  # per prompt token from the 2nd, prompt_logprobs=k
+        self.grammar: Any = None            # structured-output matcher state (engine/structured.py)
 
     @property
     def num_tokens(self) -> int:

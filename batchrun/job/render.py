@@ -26,21 +26,41 @@ class Rendered:
 
 def _row_params(spec: JobSpec, table: pa.Table, errors: list[Optional[str]]) -> list[Optional[Any]]:
     """Per-row SamplingParams from the source's ROW_SAMPLING column (a JSON object of overrides of the
-    job's sampling section); a row whose overrides are invalid gets an error instead."""
+    job's sampling section) and from input.structured_outputs_column; a row whose overrides are invalid
+    gets an error instead. Rows with the same overrides share one SamplingParams (checked once)."""
     from batchrun.connectors import ROW_SAMPLING
     from batchrun.outputs import SamplingParams
-    params: list[Optional[Any]] = [None] * table.num_rows
-    if ROW_SAMPLING not in table.column_names:
+    n = table.num_rows
+    params: list[Optional[Any]] = [None] * n
+    col = spec.input.structured_outputs_column
+    sampling = (table.column(ROW_SAMPLING).to_pylist() if ROW_SAMPLING in table.column_names else [None] * n)
+    structured = table.column(col).to_pylist() if col else [None] * n
+    if not any(sampling) and not any(v is not None for v in structured):
         return params
     base = spec.sampling.model_dump()
-    for i, raw in enumerate(table.column(ROW_SAMPLING).to_pylist()):
-        if raw is None or errors[i] is not None:
+    made: dict[str, Any] = {}           # canonical overrides -> SamplingParams, or the error text
+    for i, (raw, so) in enumerate(zip(sampling, structured)):
+        if errors[i] is not None or (raw is None and so is None):
             continue
-        over = json.loads(raw)
-        try:
-            params[i] = SamplingParams(**{**base, **over})
-        except (TypeError, ValueError) as e:
-            errors[i] = f"per-row sampling {json.dumps(over, sort_keys=True)}: {e}"
+        over = json.loads(raw) if raw is not None else {}
+        if so is not None:
+            try:
+                over["structured_outputs"] = json.loads(so) if isinstance(so, (str, bytes)) else so
+            except ValueError as e:
+                errors[i] = f"input.structured_outputs_column {col!r}: not a JSON object ({e})"
+                continue
+        key = json.dumps(over, sort_keys=True, default=str)
+        if key not in made:
+            try:
+                made[key] = SamplingParams(**{**base, **over})
+            except (TypeError, ValueError) as e:
+                where = (f"input.structured_outputs_column {col!r}" if raw is None
+                         else f"per-row sampling {json.dumps(json.loads(raw), sort_keys=True)}")
+                made[key] = f"{where}: {e}"
+        if isinstance(made[key], str):
+            errors[i] = made[key]
+        else:
+            params[i] = made[key]
     return params
 
 

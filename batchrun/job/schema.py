@@ -61,7 +61,10 @@ class InputSpec(_Strict):
 
     uri: files (any fsspec URL); or sql: a DuckDB query, run once per output and staged under
     `<output>/_batchrun/input/`. format openai_batch: OpenAI Batch API request lines; the id is
-    custom_id, the prompt body.messages, and the body's sampling keys override `sampling` per row."""
+    custom_id, the prompt body.messages, and the body's sampling keys override `sampling` per row.
+    structured_outputs_column: a column whose value (a JSON object, as text or a struct) is the row's own
+    `sampling.structured_outputs` ({"json": schema} | {"regex": ...} | {"choice": [...]} | ...); null: the
+    job's."""
     uri: Optional[str] = None
     sql: Optional[str] = None
     format: Optional[Literal["parquet", "jsonl", "csv", "openai_batch"]] = None
@@ -71,6 +74,7 @@ class InputSpec(_Strict):
     prompt_template: Optional[str] = None
     chat: bool = False
     system_prompt: Optional[str] = None
+    structured_outputs_column: Optional[str] = None
     passthrough: list[str] = Field(default_factory=list)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
@@ -126,7 +130,8 @@ class InputSpec(_Strict):
         return list(dict.fromkeys(fields))
 
     def columns(self) -> list[str]:
-        cols = [self.id_column, self.prompt_column, self.messages_column, *self.template_fields(), *self.passthrough]
+        cols = [self.id_column, self.prompt_column, self.messages_column, *self.template_fields(),
+                self.structured_outputs_column, *self.passthrough]
         return list(dict.fromkeys(c for c in cols if c))
 
 
