@@ -76,7 +76,7 @@ class LLGuidance:
         import llguidance as llg
         self.llg = llg
         t0 = time.perf_counter()
-        self.tok = llg.LLTokenizer(tok.backend.to_str(), n_vocab=V, eos_token=tok.eos_token_id)
+        self.tok = llg.LLTokenizer(tok.backend.to_str(), n_vocab=V, eos_token=tok.eos_token_id)   # general slices
         self.setup_s = time.perf_counter() - t0
         self.executor = llg.LLExecutor(2)
 
@@ -92,8 +92,9 @@ class LLGuidance:
         return [self.llg.LLMatcher(self.tok, g) for _ in range(n)]
 
     def fill(self, ms, bitmask):
-        from llguidance.torch import fill_next_token_bitmask_par
-        fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(ms)], bitmask)
+        # the executor's call direct: llguidance.torch's wrapper imports torch._dynamo (seconds, once)
+        self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(ms)], bitmask.data_ptr(),
+                                              bitmask.shape[1] * 4, bitmask.shape[0])
 
     def advance(self, m, t):
         return m.consume_token(t)

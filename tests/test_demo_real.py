@@ -87,3 +87,31 @@ def test_real_demo_submit_writes_readable_summaries(tmp_path):
         assert re.fullmatch(r"[\x20-\x7e\n’“”—–]+", out.strip()), out            # plain English text
         assert len(out.split()) >= 4, out
         assert _content_words(out) & _content_words(text), (out, text)         # about its own paragraph
+
+
+@needs_smollm2
+def test_json_extraction_example_job_answers_parse_and_duckdb_reads_the_fields(tmp_path):
+    """jobs/stdlib-extract-json.yaml on the demo's first rows: every answer validates against the job's
+    own schema (jsonschema is the judge) and DuckDB's json_extract reads its fields."""
+    import json
+
+    import jsonschema
+    d = str(tmp_path / "d")
+    write_real_demo_job(d, GGUF, rows=10)
+    job = yaml.safe_load(open(os.path.join(REPO, "jobs", "stdlib-extract-json.yaml")))
+    job["model"]["path"], job["input"]["uri"] = os.path.join(d, "model.gguf"), os.path.join(d, "prompts.parquet")
+    job["output"]["uri"] = os.path.join(d, "json-out")
+    path = os.path.join(d, "extract.yaml")
+    yaml.safe_dump(job, open(path, "w"))
+    r = cli("submit", path, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    schema = job["sampling"]["structured_outputs"]["json"]
+    rows = duckdb.connect().execute(
+        f"SELECT output, finish_reason, json_extract_string(output, '$.kind'), "
+        f"json_array_length(json_extract(output, '$.keywords')) FROM read_parquet('{d}/json-out/*.parquet')").fetchall()
+    assert len(rows) == 10
+    for out, fr, kind, n_kw in rows:
+        assert fr == "stop", (fr, out)
+        parsed = json.loads(out)
+        jsonschema.validate(parsed, schema)
+        assert kind == parsed["kind"] and n_kw == len(parsed["keywords"])

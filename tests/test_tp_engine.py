@@ -124,3 +124,22 @@ def test_job_with_a_killed_worker_resumes_exactly_once(tmp_path):
     assert res.returncode == 0, res.stderr
     rows, distinct = counts(out)
     assert rows == distinct == n
+
+
+def test_two_ranks_follow_a_grammar_as_one_does(hf_models):
+    """Structured outputs under tensor parallelism: rank 0 samples and holds the matchers; the constrained
+    greedy answers equal one rank's token for token and each matches its spec."""
+    import re
+    path = hf_models["llama"][0]
+    specs = [{"regex": "[a-e]{3}-[0-9]{2}"}, {"choice": ["alpha", "beta gamma", "delta"]}]
+    params = [SamplingParams(max_tokens=48, temperature=0.0, structured_outputs=specs[i % 2]) for i in range(6)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:6]]
+
+    def run(**kw):
+        with LLM(path, dtype="float32", threads=1, device=DEVICE, **kw) as llm:
+            return llm.generate(prompts, params, use_tqdm=False)
+    one, two = run(), run(tensor_parallel_size=2)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    for i, o in enumerate(two):
+        assert o.finish_reason == "stop", (o.finish_reason, o.text)
+        assert re.fullmatch(specs[0]["regex"], o.text) if i % 2 == 0 else o.text in specs[1]["choice"], o.text

@@ -110,12 +110,14 @@ class Grammars:
 
     def fill(self, states: Seq[SeqGrammar]) -> torch.Tensor:
         """The rows' allowed tokens as a bitmask [R, ceil(V / 32)] int32, filled in one parallel call."""
-        from llguidance.torch import fill_next_token_bitmask_par
         R, W = len(states), (self.vocab_size + 31) // 32
         if self._bitmask.shape[0] < R:
             self._bitmask = torch.empty((max(R, 2 * self._bitmask.shape[0]), W), dtype=torch.int32)
         bm = self._bitmask[:R]
-        fill_next_token_bitmask_par(self._executor, [(s.matcher, i) for i, s in enumerate(states)], bm)
+        # the executor's own call, not llguidance.torch's wrapper: importing that module pulls in
+        # torch._dynamo (seconds at first use) for a torch.compile'd helper we do not use
+        self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)],
+                                               bm.data_ptr(), W * 4, R)
         return bm
 
 
