@@ -57,7 +57,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{key}: expected a non-empty string, got {v!r}")
         if self.choice is not None:
             if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice:
-                raise ValueError(f"structured_outputs.choice: expected a non-empty list of strings, got {self.choice!r}")
+                raise ValueError("structured_outputs.choice: expected a non-empty list of strings, "
+                                 f"got {self.choice!r}")
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("structured_outputs.choice: every choice must be a non-empty string")
             self.choice = list(self.choice)

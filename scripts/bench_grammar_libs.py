@@ -1,8 +1,9 @@
 """Compare the grammar libraries on the real SmolLM2 tokenizer (49,152 tokens): xgrammar, llguidance,
 outlines-core. For each: vocabulary setup time, compile time of three specs (a flat object schema, a
 nested schema with an enum and an array, a choice list), the mean time to fill the token bitmask of 64
-rows per step (the first step apart: llguidance builds lazily) along a valid answer's tokens, and correctness (every token of the valid answer allowed at
-its step, EOS allowed at the end, a wrong first token refused).
+rows per step (the first step apart: llguidance builds lazily) along a valid answer's tokens, and
+correctness (every token of the valid answer allowed at its step, EOS allowed at the end, a wrong first
+token refused).
 
     python scripts/bench_grammar_libs.py            # prints one line per library and spec
 """

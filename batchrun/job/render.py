@@ -42,7 +42,8 @@ def _row_params(spec: JobSpec, table: pa.Table, errors: list[Optional[str]]) -> 
     for i, (raw, so) in enumerate(zip(sampling, structured)):
         if errors[i] is not None or (raw is None and so is None):
             continue
-        over = json.loads(raw) if raw is not None else {}
+        row_over = json.loads(raw) if raw is not None else {}
+        over = dict(row_over)
         if so is not None:
             try:
                 over["structured_outputs"] = json.loads(so) if isinstance(so, (str, bytes)) else so
@@ -55,7 +56,7 @@ def _row_params(spec: JobSpec, table: pa.Table, errors: list[Optional[str]]) -> 
                 made[key] = SamplingParams(**{**base, **over})
             except (TypeError, ValueError) as e:
                 where = (f"input.structured_outputs_column {col!r}" if raw is None
-                         else f"per-row sampling {json.dumps(json.loads(raw), sort_keys=True)}")
+                         else f"per-row sampling {json.dumps(row_over, sort_keys=True)}")
                 made[key] = f"{where}: {e}"
         if isinstance(made[key], str):
             errors[i] = made[key]
