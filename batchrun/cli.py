@@ -113,6 +113,10 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
             how = "cached" if gemm["cached"] else f"measured in {gemm['measure_s']:.2f}s" if gemm["times_us"] else "forced"
             print(f"bf16 projections (cpu_gemm {gemm['mode']}, {how}): "
                   + "; ".join(f"{s} {f}" for s, f in gemm["choice"].items()))
+        att = (summary.get("memory_ledger") or {}).get("cpu_attention")
+        if att:         # which implementation ran CPU attention's prefill and decode
+            how = "cached" if att["cached"] else f"measured in {att['measure_s']:.2f}s" if att["times_us"] else "fixed"
+            print(f"attention (cpu_attention {att['mode']}, {how}): prefill {att['prefill']}, decode {att['decode']}")
 
 
 def _backend(spec, ray_address: Optional[str], as_json: bool):

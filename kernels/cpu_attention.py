@@ -45,8 +45,8 @@ SOURCE = CSRC / "cpu_attention.cpp"
 # one library: the attention op, the layer's elementwise ops (cpu_layer_ops.py), the bf16 projection
 # (cpu_gemm.py), the whole layer composed of them (cpu_decoder_layer.py), greedy argmax (cpu_argmax.py)
 # and their shared headers
-EXTRA_SOURCES = [CSRC / "cpu_layer_ops.cpp", CSRC / "cpu_gemm.cpp", CSRC / "cpu_gemm_avx2.cpp",
-                 CSRC / "cpu_decoder_layer.cpp", CSRC / "cpu_argmax.cpp"]
+EXTRA_SOURCES = [CSRC / "cpu_attention_sdpa.cpp", CSRC / "cpu_layer_ops.cpp", CSRC / "cpu_gemm.cpp",
+                 CSRC / "cpu_gemm_avx2.cpp", CSRC / "cpu_decoder_layer.cpp", CSRC / "cpu_argmax.cpp"]
 HEADERS = [CSRC / "vec.h", CSRC / "ops.h", CSRC / "cpu_gemm_avx2.h", CSRC / "cpu_attention_bf16.h",
            CSRC / "cpu_attention_bf16_prefill.h"]
 # -O2: the hot loops use explicit vector types, so -O3 buys nothing here but triples the build time.
@@ -150,7 +150,7 @@ def _register_fake() -> None:
     try:
         @torch.library.register_fake("batchrun_cpu::paged_attention")
         def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, isa=-1,
-              k_scale=1.0, v_scale=1.0):
+              k_scale=1.0, v_scale=1.0, sdpa_from=-1):
             return q.new_empty(q.shape)
 
         @torch.library.register_fake("batchrun_cpu::store_kv")
@@ -202,15 +202,18 @@ def attention_isa() -> str:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     sliding_window: Optional[int] = None, *, isa: Optional[str] = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, sdpa_from: Optional[int] = None) -> torch.Tensor:
     """The compiled op (see the module docstring). isa: force a lower instruction set (tests); None = best.
-    k_scale, v_scale: float8 caches only."""
+    k_scale, v_scale: float8 caches only. sdpa_from: sequences whose queries are their whole context (a fresh
+    prompt chunk) and number at least this many run through torch's scaled_dot_product_attention instead of
+    the own kernel (no sliding window, K/V in q's dtype; csrc/cpu_attention_sdpa.cpp); None: never."""
     if not load():
         raise RuntimeError(f"CPU attention op unavailable: {_state['error']}")
     level = -1 if isa is None else {v: k for k, v in ISAS.items()}[isa]
     return torch.ops.batchrun_cpu.paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                                   float(scale), -1 if sliding_window is None else int(sliding_window),
-                                                  level, float(k_scale), float(v_scale))
+                                                  level, float(k_scale), float(v_scale),
+                                                  -1 if sdpa_from is None else int(sdpa_from))
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -64,6 +64,7 @@ if HERE not in sys.path:
 import llamacpp  # noqa: E402  (scripts/llamacpp.py)
 from peers.children import child_main  # noqa: E402
 from peers.constants import BASELINE, CACHE, PEERS_A, PEERS_B, THREADS  # noqa: E402
+from peers.floors import floors_a, floors_b  # noqa: E402
 from peers.metrics import roofline_a  # noqa: E402
 from peers.processes import run_child  # noqa: E402
 from peers.report import compare_with_baseline, format_result, save_baseline  # noqa: E402
@@ -136,12 +137,21 @@ def main(argv=None) -> int:
         except Exception as e:   # noqa: BLE001
             print(f"bandwidth measurement failed: {e}", flush=True)
             result["bandwidth"] = {}
+        try:
+            result["peaks"], _ = run_child({"peer": "peaks", "workload": "x", "rows": 256 if args.quick else 1024},
+                                           workdir, 600)
+            result["meta"]["machine_kind"] = result["peaks"]["machine_kind"]
+        except Exception as e:   # noqa: BLE001
+            print(f"peak measurement failed: {e}", flush=True)
+            result["peaks"] = {}
         on_peer = _partial_writer(result, args.json) if args.json else None
         if args.workload in ("a", "all"):
             result["a"] = workload_a(args, workdir, result, on_peer)
             result["a"]["roofline"] = roofline_a(result["a"], result["bandwidth"])
+            result["a"]["floors"] = floors_a(result["a"], result)
         if args.workload in ("b", "all"):
             result["b"] = workload_b(args, workdir, result, on_peer)
+            result["b"]["floors"] = floors_b(result["b"], result)
     result["meta"]["seconds"] = round(time.time() - started, 1)
     print()
     print(format_result(result))

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from batchrun.models.attention import CPU_ATTENTION_ENV, SHORT_QUERY, AttentionMetadata, TorchAttentionBackend
+from batchrun.models.attention import SHORT_QUERY, AttentionMetadata, TorchAttentionBackend
 
 
 def naive(q, k, v, scale, window):
@@ -61,13 +61,9 @@ def test_torch_backend_matches_naive_attention(query_lens, window, impl):
         torch.testing.assert_close(out[qsl[i]:qsl[i + 1]].double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_backend_selection(monkeypatch):
-    monkeypatch.setenv(CPU_ATTENTION_ENV, "torch")
-    assert TorchAttentionBackend().impl == "torch"
-    monkeypatch.setenv(CPU_ATTENTION_ENV, "op")
+def test_backend_selection():
+    assert TorchAttentionBackend("torch").impl == "torch"
     assert TorchAttentionBackend().impl in ("op?", "op")
-    assert TorchAttentionBackend("torch").impl == "torch"        # the argument wins over the environment
-    monkeypatch.delenv(CPU_ATTENTION_ENV)
     assert TorchAttentionBackend().requested == "op"            # the default
     with pytest.raises(ValueError):
         TorchAttentionBackend("fast")

@@ -203,14 +203,52 @@ def test_flatten_compare_and_baseline(metrics, report, tmp_path):
     assert metrics.flatten(base) == metrics.flatten(new)
 
 
-def test_stored_baseline_is_comparable(metrics):
+def test_stored_baseline_is_comparable(metrics, report):
     path = _import("peers.constants").BASELINE
-    if not os.path.exists(path):
-        pytest.skip("no stored baseline")
-    with open(path) as f:
-        base = json.load(f)
-    flat = metrics.flatten(base)
-    assert flat and all(isinstance(v, (int, float)) for v in flat.values())
+    assert os.path.exists(path), "the committed baseline is missing"
+    by_machine = report.load_baselines(path)
+    assert by_machine
+    for kind, base in by_machine.items():           # one entry per machine kind, each named by its own run
+        assert report._kind(base) == kind
+        flat = metrics.flatten(base)
+        assert flat and all(isinstance(v, (int, float)) for v in flat.values())
+
+
+def test_the_baseline_keeps_one_entry_per_machine_kind(report, tmp_path):
+    path = str(tmp_path / "b.json")
+    old = {"meta": {"started": "then"}, "bandwidth": {"read_gbs": 1.0}}          # the old one-result format
+    with open(path, "w") as f:
+        json.dump(old, f)
+    assert report.load_baselines(path) == {report.UNKNOWN_KIND: old}
+    zen = {"meta": {"machine_kind": "AMD EPYC (AVX-512 BF16, VNNI; 2 cores)"}, "bandwidth": {"read_gbs": 2.0}}
+    amx = {"meta": {"machine_kind": "Intel Xeon (AMX, VNNI; 2 cores)"}, "bandwidth": {"read_gbs": 3.0}}
+    report.save_baseline(path, zen)
+    report.save_baseline(path, amx)
+    saved = report.load_baselines(path)
+    assert set(saved) == {report.UNKNOWN_KIND, report._kind(zen), report._kind(amx)}
+    assert "bandwidth/read_gbs" in report.compare_with_baseline(path, dict(amx, bandwidth={"read_gbs": 6.0}))
+    assert "+100.0%" in report.compare_with_baseline(path, dict(amx, bandwidth={"read_gbs": 6.0}))
+    assert "no baseline for AVX2 box" in report.compare_with_baseline(path, {"meta": {"machine_kind": "AVX2 box"}})
+
+
+def test_floors_by_hand():
+    """One sequence of 2 prompt tokens, one decode step, at 1 FLOP/s and 1 byte/s: every term counted by hand."""
+    floors = _import("peers.floors")
+    shape = {"layer_params": 10, "head_params": 5, "layers": 1, "q_heads": 1, "head_dim": 1}
+    f = floors.job_floors([2], 1, shape, weights_bytes=100, kv_bytes_per_token=1, peak_gflops=1e-9, bw_gbs=1e-9)
+    # prefill: 2 x 10 x 2 tokens + 4 x (1 + 2 keys) + 2 x 5 logits = 62 FLOPs; 100 weight + 2 KV bytes
+    assert (f["prefill"]["flops"], f["prefill"]["bytes"], f["prefill"]["bound"]) == (62, 102, "memory")
+    # decode: 2 x (10 + 5) + 4 x 3 keys = 42 FLOPs; 100 + 3 KV bytes
+    assert (f["decode"]["flops"], f["decode"]["bytes"]) == (42, 103)
+    assert f["e2e_s"] == pytest.approx(205)
+    fast_memory = floors.job_floors([2], 1, shape, 100, 1, peak_gflops=1e-9, bw_gbs=1.0)
+    assert fast_memory["prefill"]["bound"] == "compute" and fast_memory["e2e_s"] == pytest.approx(62 + 42)
+    res = {"batches": [1], "npp": 2, "ntg": 1, "peers": {
+        "batchrun": {"ledger": {"weights_bytes": 100, "kv_bytes_per_token": 1}, "model_shape": shape,
+                     "by_batch": {"1": {"decode_tok_s": 1 / 206, "e2e_tok_s": 2 / 410}}}}}
+    fa = floors.floors_a(res, {"peaks": {"bf16_peak": 1e-9}, "bandwidth": {"read_gbs": 1e-9}})
+    assert fa["1"]["shares"]["batchrun"] == {"decode": pytest.approx(0.5), "e2e": pytest.approx(0.5)}
+    assert floors.floors_a(res, {"peaks": {}, "bandwidth": {"read_gbs": 1e-9}}) is None
 
 
 def test_roofline_and_overhead(metrics):
@@ -257,7 +295,8 @@ def test_quick_run_end_to_end(tmp_path):
                         "--baseline", str(tmp_path / "none.json")],
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert "Workload (a)" in p.stdout and "no baseline at" in p.stdout
+    assert "Workload (a)" in p.stdout and "no baseline for" in p.stdout
+    assert "Machine: " in p.stdout and "share of floor" in p.stdout
     r = json.loads(out.read_text())
     br = r["a"]["peers"]["batchrun"]
     assert br["status"] == "ok"
@@ -268,3 +307,7 @@ def test_quick_run_end_to_end(tmp_path):
         assert row["decode_tok_s"] > 0 and row["e2e_tok_s"] > 0
     assert br["peak_rss_mib"] > 0 and br["ledger"]["weights_bytes"] > 0
     assert {b: len(v) for b, v in br["repeats"].items()} == {"1": 2, "4": 2}    # --repeat 2: both runs kept
+    assert r["peaks"]["bf16_peak"] == max(r["peaks"]["bf16_gflops"].values()) > 0
+    for b in ("1", "4"):
+        share = r["a"]["floors"][b]["shares"]["batchrun"]
+        assert 0 < share["decode"] and 0 < share["e2e"]

@@ -10,6 +10,7 @@ import torch
 from batchrun import LLM, SamplingParams
 from batchrun.kernels import cpu_decoder_layer
 from batchrun.models import cpu_fused, kernel_choice as kc
+from batchrun.models.attention_choice import ATTENTION_ENV
 from conftest import mixed_prompts
 
 pytestmark = pytest.mark.skipif(not cpu_decoder_layer.available(),
@@ -35,9 +36,14 @@ def _mixed(model, forms_by_shape, batch_hint):
 
 
 @pytest.mark.parametrize("arch,gemm", [("llama", "own"), ("mistral", "own"), ("llama", "onednn"),
-                                       ("llama", "plain"), ("llama", "mixed")])
+                                       ("llama", "plain"), ("llama", "mixed"), ("llama", "own+sdpa")])
 def test_every_step_equals_the_per_op_path_bit_for_bit(hf_models, monkeypatch, arch, gemm):
-    """Whichever form runs the projections (kernel_choice: own, oneDNN, plain, or per bucket)."""
+    """Whichever form runs the projections (kernel_choice: own, oneDNN, plain, or per bucket), and with fresh
+    prompt chunks on torch's SDPA (attention_choice's sdpa)."""
+    sdpa = gemm == "own+sdpa"
+    if sdpa:
+        monkeypatch.setenv(ATTENTION_ENV, "sdpa")
+        gemm = "own"
     if gemm == "mixed":
         monkeypatch.delenv(kc.GEMM_ENV, raising=False)
         monkeypatch.setenv(kc.CACHE_ENV, "0")
@@ -46,6 +52,7 @@ def test_every_step_equals_the_per_op_path_bit_for_bit(hf_models, monkeypatch, a
         monkeypatch.setenv(kc.GEMM_ENV, gemm)
     llm = LLM(hf_models[arch][0], **KW)
     assert llm.engine.memory_ledger["decoder_layer_op"] is True
+    assert not sdpa or llm.engine.runner.backend.sdpa_from == 1
     model = llm.engine.runner.model
     steps = []
 

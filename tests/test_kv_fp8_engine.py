@@ -10,7 +10,7 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.kernels import cpu_attention
-from batchrun.models.attention import CPU_ATTENTION_ENV
+from batchrun.models.attention_choice import ATTENTION_ENV as CPU_ATTENTION_ENV
 from batchrun.models.loader import inspect_model
 from conftest import VOCAB, mixed_prompts
 from test_job_common import tiny_model  # noqa: F401 - fixture

@@ -57,6 +57,10 @@ class EngineConfig:
         weight shape and row-count bucket gets the fastest of batchrun's kernel, oneDNN and F.linear, timed at
         engine start on the loaded model and cached per CPU), or "own", "onednn", "plain" to force one
         (where it cannot hold a weight, the first that can). $BATCHRUN_CPU_GEMM sets it where this is auto.
+    cpu_attention: which implementation runs attention on CPU (models/attention_choice.py): "auto" (fresh
+        prompt chunks on torch's SDPA from the length where it was timed faster than batchrun's kernel at
+        engine start, cached per CPU; float32 keeps batchrun's kernel), "own", "sdpa" (every fresh chunk) or
+        "torch" (the reference path throughout). $BATCHRUN_CPU_ATTENTION sets it where this is auto.
     kv_cache_dtype: "auto" (the model's dtype), "fp8_e4m3" (alias "fp8") or "fp8_e5m2": K/V stored as float8
         with a per-layer k_scale / v_scale (1.0), converted in the attention op; half of bf16's bytes.
     """
@@ -86,6 +90,7 @@ class EngineConfig:
     quantization_calibration: Union[int, str, None] = None
     kv_cache_dtype: str = "auto"
     cpu_gemm: str = "auto"
+    cpu_attention: str = "auto"
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False  # accepted for vLLM compatibility; never executes code
     extra: dict[str, Any] = field(default_factory=dict)
@@ -125,6 +130,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.cpu_gemm not in CPU_GEMM_MODES:
             raise ValueError(f"cpu_gemm must be one of {', '.join(CPU_GEMM_MODES)}, got {self.cpu_gemm!r}")
+        if self.cpu_attention not in CPU_ATTENTION_MODES:
+            raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION_MODES)}, "
+                             f"got {self.cpu_attention!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
@@ -150,6 +158,7 @@ def default_threads() -> int:
 # vLLM's names: "fp8" is fp8_e4m3 (torch.float8_e4m3fn); batchrun.kernels.kv_quant maps them to dtypes
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 CPU_GEMM_MODES = ("auto", "own", "onednn", "plain")      # kernel_choice.MODES (that module imports torch)
+CPU_ATTENTION_MODES = ("auto", "own", "sdpa", "torch")   # attention_choice.MODES
 
 # Defaults of the knobs left None, per device.
 # CPU: measured on SmolLM2-135M-Instruct (bf16) summarising stdlib docstrings (150-500-token chat

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from batchrun.kernels import cpu_argmax
 from batchrun.kernels.kv_quant import bytes_view, kv_dtype
 from batchrun.models.attention import TorchAttentionBackend
 from batchrun.models.cpu_fused import fused_ops_supported, use_fused_layer_ops
-from batchrun.models import kernel_choice
+from batchrun.models import attention_choice, kernel_choice, quant_kernel_choice
 from batchrun.models.cpu_linear import pack_linear_weights, packing_supported
 from batchrun.models.llama import LlamaModel
 from batchrun.models.loader import ModelError, ModelInfo, load_weights
@@ -87,6 +88,7 @@ class ModelRunner:
                                           max_model_len)
         try:
             gemm_mode = kernel_choice.resolve_mode(config.cpu_gemm)
+            attention_mode = attention_choice.resolve_mode(config.cpu_attention)
         except ValueError as e:
             raise ModelError(str(e)) from e
         self.quantization = config.quantization
@@ -111,9 +113,13 @@ class ModelRunner:
             quant_bytes = apply_quantization(model, info, self.quantization, config.quantization_group_size,
                                              config.quantize_lm_head, self.dtype)
         self.quantized_bytes = quant_bytes
+        # where CPU weight-only products switch from torch's kernels to dense ones, measured here
+        self.quant_kernel_choice = quant_kernel_choice.choose(model, self.dtype, self.threads) \
+            if self.device.type == "cpu" and self.quantization in ("int8", "int4", "gguf") else None
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + quant_bytes
         self.decode_weights_bytes = model.decode_read_bytes(self.weights_bytes)
         self.backend = self._select_backend()
+        self.attention_choice = self._choose_attention(attention_mode, max_model_len)
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
         attn = model.layers[0].self_attn
@@ -188,6 +194,22 @@ class ModelRunner:
             return TritonAttentionBackend()
         return TorchAttentionBackend()
 
+    def _choose_attention(self, mode: str, max_model_len: int) -> Optional[dict]:
+        """CPU attention's implementation for this model's heads (models/attention_choice.py), set on the
+        torch backend; None elsewhere. Without the compiled op, the reference path runs whatever the mode."""
+        if self.device.type != "cpu" or self.backend.name != "torch":
+            return None
+        from batchrun.kernels import cpu_attention
+        if mode != "torch" and not cpu_attention.load():
+            mode = "torch"
+        a = self.model.layers[0].self_attn
+        longest = min(max_model_len, self.config.max_num_batched_tokens or max_model_len)
+        report = attention_choice.choose((a.num_heads, a.num_kv_heads, a.head_dim), self.dtype, mode,
+                                         self.threads, longest)
+        self.backend.requested = "torch" if report["decode"] == "torch" else "op"
+        self.backend.sdpa_from = report["sdpa_from"] or -1
+        return report
+
     @property
     def memory_ledger(self) -> dict:
         kv_tokens = self.num_blocks * self.block_size
@@ -208,9 +230,11 @@ class ModelRunner:
             "compiled": self.compiled,
             "packed_linear": self.packed_linear, "packed_extra_bytes": self.packed_extra_bytes,
             "cpu_gemm": self.kernel_choice,
+            "cpu_attention": self.attention_choice,
             "fused_layer_ops": self.fused_layer_ops, "decoder_layer_op": self.decoder_layer_op,
             "quantization": self.quantization, "quantized_bytes": self.quantized_bytes,
             "quant_kernels": bool(self.quantization) and kernels_enabled(),
+            "quant_kernel_choice": self.quant_kernel_choice,   # int8 kernel rows, int4 chunk (measured)
             "calibration": self.calibration,     # rows, cache, fp8 KV scales, w8a8's kernel per row bucket
         }
 

@@ -58,6 +58,29 @@ def _cpu_gemm(spec: JobSpec, info, dtype) -> dict[str, Any]:
                                                             "; quantized layers run their own kernels")}
 
 
+def _cpu_attention(spec: JobSpec, info, dtype, max_len: int) -> dict[str, Any]:
+    """Which implementation will run CPU attention (models/attention_choice.py), without loading weights:
+    forced, float32's fixed path, auto's choice cached by an earlier start here, or "measured at start"."""
+    import torch
+    from batchrun.engine.config import default_threads
+    from batchrun.engine.runner import resolve_device
+    from batchrun.models import attention_choice
+    e = spec.engine
+    mode = attention_choice.resolve_mode(e.cpu_attention)
+    if resolve_device(e.device).type != "cpu" or e.attention_backend == "triton":
+        return {"mode": mode, "report": None, "note": "not CPU attention"}
+    if mode != "auto" or dtype == torch.float32:
+        r = attention_choice.choose((1, 1, 1), dtype, mode, 1, max_len)    # forced: no measuring
+        return {"mode": mode, "report": r, "note": "forced" if mode != "auto" else "float32: the own kernel"}
+    from batchrun.models.tp import shard_args
+    a = shard_args(info.args, e.tensor_parallel_size)          # one rank's heads
+    heads = (a.num_heads, a.num_kv_heads, a.head_dim)
+    longest = min(max_len, e.max_num_batched_tokens or max_len)
+    r = attention_choice.cached_choice(heads, dtype, e.threads or default_threads(), longest)
+    return {"mode": mode, "report": r, "note": "cached from an earlier start on this machine" if r
+            else "measured at engine start (well under a second)"}
+
+
 def _stats(xs: list[int]) -> dict[str, Any]:
     if not xs:
         return {"count": 0}
@@ -112,7 +135,8 @@ def plan_report(plan: JobPlan, sample: int = 256) -> dict[str, Any]:
               "kv_tokens": kv_tokens,
               "max_concurrency_at_max_model_len": None if kv_tokens is None else round(kv_tokens / max_len, 2),
               "max_num_seqs": spec.engine.max_num_seqs or "device default",
-              "cpu_gemm": _cpu_gemm(spec, info, dtype)}
+              "cpu_gemm": _cpu_gemm(spec, info, dtype),
+              "cpu_attention": _cpu_attention(spec, info, dtype, max_len)}
     sink = ParquetSink(spec.output.uri, spec.output.storage_options, create=False)
     led = Ledger(sink)
     manifest = led.read_manifest()
@@ -175,5 +199,8 @@ def format_report(r: dict[str, Any]) -> str:
               f"max_num_seqs {m['max_num_seqs']}",
               f"gemm    cpu_gemm {m['cpu_gemm']['mode']}: {m['cpu_gemm']['note']}"]
     lines += [f"          {shape:<10} {forms}" for shape, forms in (m["cpu_gemm"]["choice"] or {}).items()]
+    att = m["cpu_attention"]
+    lines += [f"attn    cpu_attention {att['mode']}: {att['note']}"
+              + (f"; prefill {att['report']['prefill']}, decode {att['report']['decode']}" if att["report"] else "")]
     lines += [f"output  {r['output']['uri']}: {r['output']['state']}"]
     return "\n".join(lines)

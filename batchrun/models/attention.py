@@ -9,7 +9,6 @@ times the scales.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,26 +37,26 @@ log = logging.getLogger(__name__)
 # prefill chunks run SDPA one sequence at a time.
 SHORT_QUERY = 16
 
-CPU_ATTENTION_ENV = "BATCHRUN_CPU_ATTENTION"    # "op" (default) or "torch"
 _OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class TorchAttentionBackend:
-    """The CPU backend. By default CPU tensors go to batchrun.kernels.cpu_attention's compiled op, which
-    reads each sequence's K/V blocks in place (one call per layer for the whole batch: decodes, verification
-    queries and prefill chunks; cost follows the sum of the contexts). The torch path, which gathers each
-    sequence's blocks then runs matmuls or SDPA with a causal offset mask, is the reference; it runs when
-    impl="torch" (or BATCHRUN_CPU_ATTENTION=torch), for tensors not on the CPU, and wherever the op cannot
+    """The CPU backend. By default (impl="op") CPU tensors go to batchrun.kernels.cpu_attention's compiled op,
+    which reads each sequence's K/V blocks in place (one call per layer for the whole batch: decodes,
+    verification queries and prefill chunks; cost follows the sum of the contexts); fresh prompt chunks of at
+    least sdpa_from tokens run inside it on torch's SDPA (models/attention_choice.py measures where that
+    wins). The torch path, which gathers each sequence's blocks then runs matmuls or SDPA with a causal offset
+    mask, is the reference; it runs when impl="torch", for tensors not on the CPU, and wherever the op cannot
     be built (one warning, logged by cpu_attention.load).
     """
 
     name = "torch"
 
-    def __init__(self, impl: Optional[str] = None):
-        impl = impl or os.environ.get(CPU_ATTENTION_ENV) or "op"
+    def __init__(self, impl: str = "op", sdpa_from: Optional[int] = None):
         if impl not in ("op", "torch"):
-            raise ValueError(f"{CPU_ATTENTION_ENV}/impl must be 'op' or 'torch', got {impl!r}")
+            raise ValueError(f"impl must be 'op' or 'torch', got {impl!r}")
         self.requested = impl
+        self.sdpa_from = -1 if sdpa_from is None else int(sdpa_from)     # the op's argument (-1: never)
         self._ops = None         # (attention, store) once loaded; False: unavailable, use the torch path
 
     @property
@@ -111,7 +110,7 @@ class TorchAttentionBackend:
                               float(scale), -1 if sliding_window is None else int(sliding_window), -1,
                               float(k_scale), float(v_scale))
             return ops[0](q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, float(scale),
-                      -1 if sliding_window is None else int(sliding_window), -1)
+                          -1 if sliding_window is None else int(sliding_window), -1, 1.0, 1.0, self.sdpa_from)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         B = len(lens)
         if meta.num_decodes == B:                      # a pure decode step: no index building

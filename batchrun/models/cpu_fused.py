@@ -82,7 +82,7 @@ def whole_layers(model, h: torch.Tensor, rope: tuple, kv_caches: torch.Tensor, m
     for i, (layer, (weights, shape)) in enumerate(zip(model.layers, args)):
         a = layer.self_attn        # the KV scales are read per call: a calibration may set them after load
         cpu_decoder_layer.decoder_layer(h, weights, kv_caches, i, cos_sin, positions, *step, *shape,
-                                        a.k_scale, a.v_scale)
+                                        a.k_scale, a.v_scale, backend.sdpa_from)
     return h
 
 

@@ -53,15 +53,41 @@ def bucket_names() -> list[str]:
     return [f"{lo}-{hi}" if hi else f"{lo}+" for lo, hi in zip(lows, BOUNDS)]
 
 
-def resolve_mode(knob: Optional[str]) -> str:
-    """The cpu_gemm knob, or $BATCHRUN_CPU_GEMM where the knob is left at auto; a one-line error for an
-    unknown name."""
-    mode, where = (knob or "auto"), "cpu_gemm"
-    if mode == "auto" and os.environ.get(GEMM_ENV):
-        mode, where = os.environ[GEMM_ENV], GEMM_ENV
-    if mode not in MODES:
-        raise ValueError(f"{where} must be one of {', '.join(MODES)}, got {mode!r}")
+def resolve_knob(knob: Optional[str], name: str, env: str, modes: tuple) -> str:
+    """A kernel knob's mode: the knob, or $env where the knob is left at auto; a one-line error naming
+    whichever gave an unknown name."""
+    mode, where = (knob or "auto"), name
+    if mode == "auto" and os.environ.get(env):
+        mode, where = os.environ[env], env
+    if mode not in modes:
+        raise ValueError(f"{where} must be one of {', '.join(modes)}, got {mode!r}")
     return mode
+
+
+def resolve_mode(knob: Optional[str]) -> str:
+    """The cpu_gemm knob, or $BATCHRUN_CPU_GEMM where the knob is left at auto."""
+    return resolve_knob(knob, "cpu_gemm", GEMM_ENV, MODES)
+
+
+def read_cache(path: Optional[Path]) -> Optional[dict]:
+    """A cached choice's JSON, or None when there is none or it is unreadable (then it is measured again)."""
+    try:
+        return json.loads(path.read_text()) if path is not None and path.exists() else None
+    except (OSError, ValueError):
+        return None
+
+
+def write_cache(path: Optional[Path], saved: dict, what: str) -> None:
+    """Store a measured choice atomically (a torn write cannot be read back); a failure only warns."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(saved, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("batchrun: %s not cached (%s)", what, e)
 
 
 def _stream(model) -> list[list[torch.Tensor]]:
@@ -87,13 +113,15 @@ def signature(shapes: list, threads: int) -> dict:
             "bounds": list(BOUNDS[:-1])}
 
 
-def _cache_file(sig: dict) -> Optional[Path]:
+def cache_file(sig: dict, sub: str = "") -> Optional[Path]:
+    """Where the choice measured for `sig` is cached (sub: a folder of the cache for another op's choices);
+    None when $BATCHRUN_KERNEL_CACHE is "0"."""
     root = os.environ.get(CACHE_ENV)
     if root == "0":
         return None
     base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
         "batchrun" / "kernel_choice"
-    return base / (hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:20] + ".json")
+    return base / sub / (hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:20] + ".json")
 
 
 def _time_all(layers: list, rows: int, packed: dict) -> dict:
@@ -179,7 +207,7 @@ def projection_shapes(model) -> list[tuple]:
 def cached_choice(shapes: list, threads: int) -> Optional[dict]:
     """The per-shape summary a previous start measured and cached for these shapes on this machine, or None
     (for `validate`, which loads no weights)."""
-    path = _cache_file(signature(shapes, threads))
+    path = cache_file(signature(shapes, threads))
     try:
         saved = json.loads(path.read_text()) if path is not None and path.exists() else None
         return None if saved is None else _summary({tuple(s): tuple(c) for s, c in saved["choice"]})
@@ -195,14 +223,14 @@ def choose(model, mode: str, threads: int, batch_hint: int) -> dict:
         choice = {s: (mode if mode in fs else fs[0],) * len(ROWS) for s, fs in forms_by_shape.items()}
         return {"choice": choice, "report": _report(mode, choice, None, 0.0, False)}
     sig = signature(shapes, threads)
-    path = _cache_file(sig)
-    if path is not None and path.exists():
+    path = cache_file(sig)
+    saved = read_cache(path)
+    if saved is not None:
         try:
-            saved = json.loads(path.read_text())
             choice = {tuple(s): tuple(c) for s, c in saved["choice"]}
             if set(choice) == set(shapes) and all(set(c) <= set(forms_by_shape[s]) for s, c in choice.items()):
                 return {"choice": choice, "report": _report("auto", choice, saved["times"], 0.0, True)}
-        except (OSError, ValueError, KeyError, TypeError):
+        except (KeyError, TypeError):
             pass                          # unreadable: measure again and rewrite it
     t0 = time.perf_counter()
     times = measure(model, forms_by_shape, batch_hint)
@@ -210,15 +238,8 @@ def choose(model, mode: str, threads: int, batch_hint: int) -> dict:
     took = time.perf_counter() - t0
     named = {f"{s[0]}x{s[1]}": {f: [round(ts[i] * 1e6, 1) for ts in times[s]]
                                 for i, f in enumerate(forms_by_shape[s])} for s in shapes}
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"signature": sig, "choice": [[list(s), list(c)] for s, c in choice.items()],
-                                       "times": named}, indent=1))
-            os.replace(tmp, path)
-        except OSError as e:
-            log.warning("batchrun: kernel choice not cached (%s)", e)
+    write_cache(path, {"signature": sig, "choice": [[list(s), list(c)] for s, c in choice.items()],
+                       "times": named}, "kernel choice")
     log.info("batchrun: kernel choice measured in %.2f s: %s", took, _summary(choice))
     return {"choice": choice, "report": _report("auto", choice, named, took, False)}
 

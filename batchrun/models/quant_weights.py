@@ -13,7 +13,8 @@ directly and win at a decode step's few rows but lose badly at many (SmolLM2-135
 AVX-512-BF16 cores, bf16 packed linear = 1.0: int8 1.75x faster at 1 row, even at 4, 2x slower at 16, 2.5x
 at 64; int4 3.9x faster at 1, 1.9x at 4, 1.3x slower at 16, 7x at 64). So on CPU int8 products of more than
 INT8_KERNEL_ROWS rows cast the weight for the call and run a dense matmul (the scales on the output); int4
-products run the kernel in chunks of INT4_KERNEL_ROWS rows, where its cost per row is lowest.
+products run the kernel in chunks of INT4_KERNEL_ROWS rows, where its cost per row is lowest. These are the
+defaults: at engine start models/quant_kernel_choice.py measures both limits on the loaded model's weights.
 BATCHRUN_QUANT_KERNELS=0 makes every product dequantise-then-F.linear on either device: the reference.
 """
 from __future__ import annotations
@@ -76,6 +77,7 @@ class Int8Weight(QuantizedWeight):
     """q int8 [N, K], scales [N] in the activation dtype: w = q * scales[:, None]."""
 
     kind = "int8"
+    kernel_rows = INT8_KERNEL_ROWS       # CPU: torch's kernel up to this many rows (quant_kernel_choice.py sets it)
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, use_kernel: bool = True):
         super().__init__(use_kernel)
@@ -98,7 +100,7 @@ class Int8Weight(QuantizedWeight):
     def _product(self, x):
         if x.device.type != "cpu":
             return qmm.int8_matmul(x, self.q, self.scales)
-        return self._kernel(x) if x.shape[0] <= INT8_KERNEL_ROWS else self._dense(x)
+        return self._kernel(x) if x.shape[0] <= self.kernel_rows else self._dense(x)
 
     def tensors(self):
         return [self.q, self.scales]
@@ -110,6 +112,7 @@ class Int4Weight(QuantizedWeight):
     kernel's); "nibbles": kernels/quant_matmul.py's (the Triton kernel's). By default the codes' device picks."""
 
     kind = "int4"
+    chunk_rows = INT4_KERNEL_ROWS        # CPU: the kernel's products in chunks of this many rows (measured)
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
                  dtype: torch.dtype, use_kernel: bool = True, layout: Optional[str] = None):
@@ -159,9 +162,9 @@ class Int4Weight(QuantizedWeight):
         return y if y.shape[1] == self.shape[0] else y[:, :self.shape[0]]
 
     def _product(self, x):
-        if x.shape[0] <= INT4_KERNEL_ROWS or self.layout == "nibbles":
+        if x.shape[0] <= self.chunk_rows or self.layout == "nibbles":
             return self._kernel(x)
-        return torch.cat([self._kernel(c) for c in x.split(INT4_KERNEL_ROWS)])
+        return torch.cat([self._kernel(c) for c in x.split(self.chunk_rows)])
 
     def tensors(self):
         return [self.packed, self.scales_and_zeros]

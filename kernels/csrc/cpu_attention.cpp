@@ -492,7 +492,7 @@ int64_t attention_isa() { return cpu_has_avx512_bf16() ? 3 : best_isa(); }  // p
 
 Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens,
                        Tensor block_tables, double scale, int64_t sliding_window, int64_t isa, double k_scale,
-                       double v_scale) {
+                       double v_scale, int64_t sdpa_from) {
   BR_CHECK(q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu(), "CPU tensors only");
   BR_CHECK(q.dim() == 3, "q must be [T, Hq, D], got ", q.dim(), " dims");
   BR_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "k_cache, v_cache must be [num_blocks, block_size, Hkv, D]");
@@ -543,6 +543,7 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   // plan: groups of (sequence, KV head, query chunk); block table entries checked once here
   const int tok_per_group = std::max(1, MAX_ROWS / G);
   std::vector<Group> groups;
+  std::vector<int> fresh;
   int max_rows = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int qlen = qsl[b + 1] - qsl[b], ctx = lens[b];
@@ -551,6 +552,10 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
     BR_CHECK(static_cast<int64_t>(ctx) <= W * bs, "seq_lens[", b, "] = ", ctx, " needs more than the ", W,
              " blocks of its block table row");
     if (qlen == 0) continue;
+    if (sdpa_from > 0 && qlen >= sdpa_from && qlen == ctx && window == (1 << 30) && kv == KV_SAME) {
+      fresh.push_back(static_cast<int>(b));     // torch's SDPA, after the own kernel's work (cpu_attention_sdpa.cpp)
+      continue;
+    }
     const int first = std::max(0, ctx - qlen - window + 1) / static_cast<int>(bs);
     const int last = (ctx - 1) / static_cast<int>(bs);
     for (int i = first; i <= last; ++i) {
@@ -571,7 +576,7 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   const int nthreads = std::max<int>(1, static_cast<int>(torch::stable::get_num_threads()));
   // too few groups to keep the threads busy: split long key spans into partitions, merged below
   int want = 1;
-  if (nthreads > 1 && static_cast<int64_t>(groups.size()) < 4 * nthreads)
+  if (nthreads > 1 && !groups.empty() && static_cast<int64_t>(groups.size()) < 4 * nthreads)
     want = static_cast<int>((4 * nthreads + groups.size() - 1) / groups.size());
   std::vector<Item> items;
   int slots = 0;
@@ -667,6 +672,7 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
     if (split.size() <= 1) merge(0, static_cast<int64_t>(split.size()));
     else torch::stable::parallel_for(0, static_cast<int64_t>(split.size()), 1, merge);
   }
+  for (int b : fresh) brcpu::sdpa_fresh(q, k_cache, v_cache, qsl[b], lens[b], bt + b * bts0, scale, out);
   return out;
 }
 
@@ -765,9 +771,9 @@ int64_t cpu_isa() { return best_isa(); }
 namespace brcpu {  // for ops composed of these (ops.h)
 Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens,
                        Tensor block_tables, double scale, int64_t sliding_window, int64_t isa, double k_scale,
-                       double v_scale) {
+                       double v_scale, int64_t sdpa_from) {
   return ::paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, isa,
-                           k_scale, v_scale);
+                           k_scale, v_scale, sdpa_from);
 }
 void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, double k_scale,
               double v_scale) {
@@ -778,7 +784,7 @@ void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_ma
 STABLE_TORCH_LIBRARY(batchrun_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor block_tables, float scale, int sliding_window, int isa=-1, float k_scale=1.0, "
-        "float v_scale=1.0) -> Tensor");
+        "float v_scale=1.0, int sdpa_from=-1) -> Tensor");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("cpu_isa() -> int");

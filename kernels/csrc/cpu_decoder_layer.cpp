@@ -7,7 +7,7 @@
 // batchrun_cpu::decoder_layer(h(a!) [T, H], ln1_w [H], qkv_wp, o_wp, ln2_w [H], gate_up_wp, down_wp,
 //     kv_caches(b!) [L, 2, N, bs, Hkv, D], layer, cos_sin [P, D] float32, positions [T] int64,
 //     slot_mapping [T] int64, query_start_loc [B+1], seq_lens [B], block_tables [B, W] int32,
-//     num_heads, eps, scale, sliding_window, k_scale, v_scale) -> ()
+//     num_heads, eps, scale, sliding_window, k_scale, v_scale, sdpa_from) -> ()
 //
 // Each projection weight is cpu_gemm.pack()ed ([n/16, K/2, 16, 2] or [n/64, K/2, 4, 16, 2]), oneDNN-packed, or a
 // plain [n, K] tensor: the form models/kernel_choice.py measured fastest for this step's rows. h is the residual stream
@@ -112,7 +112,7 @@ void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln
                    Tensor down_wp, Tensor kv_caches, int64_t layer, Tensor cos_sin, Tensor positions,
                    Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables,
                    int64_t num_heads, double eps, double scale, int64_t sliding_window, double k_scale,
-                   double v_scale) {
+                   double v_scale, int64_t sdpa_from) {
   STD_TORCH_CHECK(h.is_cpu() && h.scalar_type() == ScalarType::BFloat16 && h.dim() == 2 && h.is_contiguous(),
                   "decoder_layer: h must be a contiguous bfloat16 [T, H] CPU tensor");
   STD_TORCH_CHECK(kv_caches.is_cpu() && kv_caches.dim() == 6 && kv_caches.size(1) == 2 && kv_caches.stride(5) == 1,
@@ -147,7 +147,8 @@ void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln
   brcpu::rope_(q, k, cos_sin, positions);
   brcpu::store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
   Tensor o = brcpu::paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                                    sliding_window, -1, k_scale, v_scale);                  // [T, Hq, D]
+                                    sliding_window, -1, k_scale, v_scale,
+                                    sdpa_from);                  // [T, Hq, D]
 
   // o_proj added into h, its norm -> gate/up -> SwiGLU -> down, added into h
   Tensor o2 = over(o.data_ptr(), h, ScalarType::BFloat16, {T, q_size}, {q_size, 1});
@@ -161,7 +162,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
   m.def("decoder_layer(Tensor(a!) h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln2_w, Tensor gate_up_wp, "
         "Tensor down_wp, Tensor(b!) kv_caches, int layer, Tensor cos_sin, Tensor positions, Tensor slot_mapping, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, int num_heads, float eps, float scale, "
-        "int sliding_window, float k_scale, float v_scale) -> ()");
+        "int sliding_window, float k_scale, float v_scale, int sdpa_from=-1) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) { m.impl("decoder_layer", TORCH_BOX(&decoder_layer)); }

@@ -17,7 +17,10 @@ Tensor silu_mul(Tensor gate_up);
 Tensor bf16_linear(Tensor x, Tensor wp, int64_t n);                                  // cpu_gemm.cpp
 Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens,
                        Tensor block_tables, double scale, int64_t sliding_window, int64_t isa, double k_scale,
-                       double v_scale);                                               // cpu_attention.cpp
+                       double v_scale, int64_t sdpa_from);                            // cpu_attention.cpp
+// a fresh prompt chunk (queries = its whole context, rows row0 .. row0 + ctx of q) by torch's SDPA into out
+void sdpa_fresh(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t row0, int64_t ctx,
+                const int32_t* blocks, double scale, Tensor& out);                  // cpu_attention_sdpa.cpp
 void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, double k_scale,
               double v_scale);
 

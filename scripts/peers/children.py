@@ -78,6 +78,21 @@ def _batchrun_run(llm, prompts, params) -> dict:
             "mean_decode_batch": dec_tokens / dec_steps if dec_steps else None}
 
 
+def _model_shape(model) -> dict:
+    """What floors.py needs of the model: projection parameters of the layers and of the logits, layers,
+    query heads and head_dim."""
+    import torch
+
+    def numel(w):
+        return w.numel() if isinstance(w, torch.Tensor) else w.shape[0] * w.shape[1]
+    layer = sum(numel(m.weight) for layer in model.layers for m in layer.modules()
+                if isinstance(m, torch.nn.Linear))
+    a = model.layers[0].self_attn
+    head = model.embed_tokens.weight.numel()         # the logits weight: [vocab, hidden], tied or not
+    return {"layer_params": layer, "head_params": head, "layers": len(model.layers), "q_heads": a.num_heads,
+            "head_dim": a.head_dim}
+
+
 def child_batchrun(spec: dict) -> dict:
     """batchrun's LLM (spec["engine"] settings), its engine stepped directly; with the memory ledger, the
     engine settings it ran with, llm.stats and the overhead figures among them."""
@@ -86,7 +101,7 @@ def child_batchrun(spec: dict) -> dict:
     llm = LLM(spec["model"], **spec.get("engine", {}))
     sp = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     _batchrun_run(llm, spec["warmup"], sp(4))
-    out: dict[str, Any] = {"ledger": llm.engine.memory_ledger,
+    out: dict[str, Any] = {"ledger": llm.engine.memory_ledger, "model_shape": _model_shape(llm.engine.runner.model),
                            "engine": {k: getattr(llm.engine.config, k, None) for k in
                                       ("max_num_seqs", "max_num_batched_tokens", "swap_space", "compile",
                                        "threads", "dtype")}}
@@ -194,8 +209,13 @@ def child_hf_generate_batch(spec: dict) -> dict:
     return out
 
 
-CHILDREN = {"bandwidth": child_bandwidth, "batchrun": child_batchrun, "hf_generate": child_hf_generate,
-            "hf_generate_batch": child_hf_generate_batch}
+def _child_peaks(spec: dict) -> dict:
+    from .peaks import child_peaks
+    return child_peaks(spec)
+
+
+CHILDREN = {"bandwidth": child_bandwidth, "peaks": _child_peaks, "batchrun": child_batchrun,
+            "hf_generate": child_hf_generate, "hf_generate_batch": child_hf_generate_batch}
 
 
 def child_main(spec_path: str) -> int:

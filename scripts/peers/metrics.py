@@ -89,9 +89,19 @@ def flatten(result: dict) -> dict[str, float]:
         rl = w.get("roofline") or {}
         if isinstance(rl.get("pct_of_roofline"), (int, float)):
             out[f"{wl}/roofline_pct/batchrun"] = rl["pct_of_roofline"]
+        fl = w.get("floors") or {}
+        per = fl.items() if wl == "a" else ([("", fl)] if fl else [])
+        for b, f in per:
+            for peer, s in (f.get("shares") or {}).items():
+                for m, v in (s.items() if isinstance(s, dict) else [("e2e", s)]):
+                    if isinstance(v, (int, float)):
+                        out[f"{wl}/floor_share_{m}/{peer}" + (f"/b{b}" if b else "")] = v
     bw = result.get("bandwidth") or {}
     if isinstance(bw.get("read_gbs"), (int, float)):
         out["bandwidth/read_gbs"] = bw["read_gbs"]
+    for k in ("bf16_peak", "int8_peak"):
+        if isinstance((result.get("peaks") or {}).get(k), (int, float)):
+            out[f"peaks/{k}"] = result["peaks"][k]
     return out
 
 

@@ -119,6 +119,42 @@ def format_extras(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def format_limits(result: dict) -> str:
+    """The machine kind, its measured peaks, and each workload's floors with every peer's share of them."""
+    pk, bw = result.get("peaks") or {}, result.get("bandwidth") or {}
+    if not pk:
+        return "machine limits: not measured"
+    lines = [f"Machine: {pk['machine_kind']}; 2 threads",
+             f"peaks: bf16 GEMM {pk['bf16_peak']:.0f} GFLOP/s ("
+             + ", ".join(f"{k} {v:.0f}" for k, v in pk["bf16_gflops"].items()) + "), int8 GEMM "
+             + (f"{pk['int8_peak']:.0f} GOP/s (" + ", ".join(f"{k} {v:.0f}" for k, v in pk["int8_gops"].items()) + ")"
+                if pk.get("int8_peak") else "-")
+             + f" on [{pk['shape'][0]}x{pk['shape'][2]}] x [{pk['shape'][2]}x{pk['shape'][1]}]; read bandwidth "
+             + (f"{bw['read_gbs']:.1f} GB/s" if bw.get("read_gbs") else "-"),
+             "floor = max(FLOPs / bf16 peak, bytes / read bandwidth) per phase; share = floor / measured time"]
+    fa = (result.get("a") or {}).get("floors")
+    if fa:
+        peers = list(next(iter(fa.values()))["shares"])
+        lines.append(f"{'(a) batch':<12}{'prefill floor':>22}{'decode floor':>22}  share of floor, decode | e2e")
+        for b, f in fa.items():
+            p, d = f["prefill"], f["decode"]
+            row = (f"{'B=' + b:<12}{p['floor_s'] * 1e3:>12.1f} ms {p['bound']:<7}{d['floor_s'] * 1e3:>12.1f} ms "
+                   f"{d['bound']:<7}  ")
+            row += ", ".join(f"{LABELS.get(n, n)} {_pct(f['shares'][n]['decode'])} | {_pct(f['shares'][n]['e2e'])}"
+                             for n in peers)
+            lines.append(row)
+    fb = (result.get("b") or {}).get("floors")
+    if fb:
+        lines.append(f"(b) job floor {fb['e2e_s']:.2f} s (prefill {fb['prefill']['floor_s']:.2f} s "
+                     f"{fb['prefill']['bound']}, decode {fb['decode']['floor_s']:.2f} s {fb['decode']['bound']}); "
+                     "share of floor: " + ", ".join(f"{LABELS.get(n, n)} {_pct(s)}" for n, s in fb["shares"].items()))
+    return "\n".join(lines)
+
+
 def format_compare(rows) -> str:
     def f(x):
         return "-" if x is None else f"{x:.2f}"
@@ -136,22 +172,40 @@ def format_result(result: dict) -> str:
     if "b" in result:
         b = result["b"]
         parts.append(format_table_b(b) if b.get("status", "ok") == "ok" else f"Workload (b): {b['status']}")
-    return "\n\n".join(parts + [format_extras(result)])
+    return "\n\n".join(parts + [format_extras(result), format_limits(result)])
+
+
+UNKNOWN_KIND = "unknown machine"
+
+
+def _kind(result: dict) -> str:
+    return (result.get("meta") or {}).get("machine_kind") or UNKNOWN_KIND
+
+
+def load_baselines(path: str) -> dict:
+    """{machine kind: stored result}; a file of one result (the old format) is that result's kind."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        saved = json.load(f)
+    return saved["by_machine"] if "by_machine" in saved else {_kind(saved): saved}
 
 
 def compare_with_baseline(path: str, result: dict) -> str:
-    """The change of every number against the baseline stored at `path`, or why there is none."""
-    if not os.path.exists(path):
-        return f"no baseline at {path} (--save-baseline writes it)"
-    with open(path) as f:
-        base = json.load(f)
-    return (f"change against {os.path.relpath(path)} ({base.get('meta', {}).get('started', '?')}):\n"
+    """The change of every number against the baseline stored for this machine kind, or why there is none."""
+    base = load_baselines(path).get(_kind(result))
+    if base is None:
+        return f"no baseline for {_kind(result)} in {path} (--save-baseline writes it)"
+    return (f"change against {os.path.relpath(path)}, {_kind(result)} ({base.get('meta', {}).get('started', '?')}):\n"
             + format_compare(compare(base, result)))
 
 
 def save_baseline(path: str, result: dict) -> None:
+    """Store the result as its machine kind's baseline, keeping the other kinds' entries."""
+    by_machine = load_baselines(path)
+    by_machine[_kind(result)] = strip_for_baseline(result)
     with open(path, "w") as f:
-        json.dump(strip_for_baseline(result), f, indent=1, sort_keys=True)
+        json.dump({"by_machine": by_machine}, f, indent=1, sort_keys=True)
         f.write("\n")
 
 

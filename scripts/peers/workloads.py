@@ -121,7 +121,7 @@ def workload_b(args, workdir: str, result: Optional[dict] = None, on_peer: Optio
         return res
     lens = [len(p) for p in prompts]
     res.update(prompt_min=min(lens), prompt_max=max(lens), prompt_mean=sum(lens) / len(lens),
-               prompt_tokens=sum(lens), gguf=gguf, hf_dir=hf_dir,
+               prompt_tokens=sum(lens), prompt_lens=lens, gguf=gguf, hf_dir=hf_dir,
                model_desc="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to bf16 for batchrun/HF)")
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
