@@ -46,7 +46,8 @@ SOURCE = CSRC / "cpu_attention.cpp"
 # (cpu_gemm.py), the whole layer composed of them (cpu_decoder_layer.py), greedy argmax (cpu_argmax.py)
 # and their shared headers
 EXTRA_SOURCES = [CSRC / "cpu_attention_sdpa.cpp", CSRC / "cpu_layer_ops.cpp", CSRC / "cpu_gemm.cpp",
-                 CSRC / "cpu_gemm_avx2.cpp", CSRC / "cpu_decoder_layer.cpp", CSRC / "cpu_argmax.cpp"]
+                 CSRC / "cpu_gemm_avx2.cpp", CSRC / "cpu_decoder_layer.cpp", CSRC / "cpu_argmax.cpp",
+                 CSRC / "cpu_w8a8.cpp"]
 HEADERS = [CSRC / "vec.h", CSRC / "ops.h", CSRC / "cpu_gemm_avx2.h", CSRC / "cpu_attention_bf16.h",
            CSRC / "cpu_attention_bf16_prefill.h"]
 # -O2: the hot loops use explicit vector types, so -O3 buys nothing here but triples the build time.

@@ -164,8 +164,8 @@ def test_w8a8_bad_settings_are_one_line_errors(hf_models, tmp_path, monkeypatch)
 
 def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch):
     """models/quant.weight_bytes_after (what `validate` prints) against the loaded engine's tensors: the
-    parameters left (embedding, norms) plus each W8A8Weight's codes, scales and 1/s (a oneDNN-packed copy,
-    kept only where this machine's timing chose it, cannot be predicted and is left out of both)."""
+    parameters left (embedding, norms) plus each W8A8Weight's codes, scales and 1/s (a oneDNN- or own-packed
+    copy, kept only where this machine's timing chose it, cannot be predicted and is left out of both)."""
     from batchrun.models.loader import inspect_model
     from batchrun.models.quant import weight_bytes_after
     monkeypatch.setenv("BATCHRUN_CALIBRATION_CACHE", "0")
@@ -176,5 +176,25 @@ def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch)
         for m in model.modules():
             w = getattr(m, "weight", None)
             if isinstance(w, W8A8Weight):
-                real += sum(t.numel() * t.element_size() for t in w.tensors() if t is not w._onednn)
+                copies = [w._onednn] + list(w._own[:3] if w._own is not None else [])
+                real += sum(t.numel() * t.element_size() for t in w.tensors() if all(t is not c for c in copies))
         assert weight_bytes_after(inspect_model(path), "w8a8", 128, False, torch.float32)[0] == real
+
+
+@pytest.mark.skipif("own" not in KERNELS, reason="the own W8A8 kernel needs AVX-512 VNNI")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("smooth", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 301])
+@pytest.mark.parametrize("shape", [(40, 24), (576, 1536), (96, 22)])
+def test_own_kernel_equals_the_int_mm_path_bit_for_bit(dtype, smooth, rows, shape):
+    """Quantizing x and scaling the int32 sums in the kernel: the same codes and float32 roundings as
+    quantize_rows + torch._int_mm (so the same bf16 outputs); an all-zero row included."""
+    torch.manual_seed(rows)
+    n, k = shape
+    s = torch.rand(k) + 0.5 if smooth else None
+    w = W8A8Weight(*quantize_w8(torch.randn(n, k)), inv_smooth=None if s is None else 1 / s)
+    x = (torch.randn(rows, k) * torch.rand(rows, 1) * 7).to(dtype)
+    x[rows // 2] = 0
+    own, ref = w.run(x, "own"), w.run(x, "int_mm")
+    assert own.dtype == dtype and torch.equal(own, ref)
+    assert (w._own is not None) == (k % 4 == 0)            # K=22 does not fit the layout: torch's kernel ran

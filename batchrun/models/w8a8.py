@@ -9,6 +9,8 @@ them here (`smooth`), or takes none.
 The int32 product has more than one implementation in torch; which one runs for a row count is measured at
 quantize time on the model's own shapes (choose_kernels: one kernel per row-count bucket, kernel_choice()
 says which for the log and the ledger):
+- "own": batchrun's AVX-512 VNNI kernel (kernels/cpu_w8a8.py): the activations quantized and the product's
+  scales applied in one pass each, bit for bit the int_mm path's result.
 - "int_mm": torch._int_mm(qx, q.T) with q.T stored K-major (contiguous [K, N]), ~4x faster on CPU than the
   transposed view of [N, K] (oneDNN s8s8s32 under the hood where it has it).
 - "onednn": torch.ops.onednn.qlinear_pointwise on a qlinear_prepack'ed weight, activations shifted to uint8
@@ -25,9 +27,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from batchrun.kernels import cpu_w8a8
 from batchrun.models.quant_weights import QuantizedWeight
 
-KERNELS = ("int_mm", "onednn", "float")
+KERNELS = ("own", "int_mm", "onednn", "float")
 # row-count buckets: a product of m rows uses the kernel chosen for the first bucket >= m (the last beyond)
 BUCKETS = (1, 16, 64, 256, 2048)
 MEASURE_MAX_ROWS = 512        # the 2048 bucket is timed at this many rows: the cost per row is flat by then
@@ -65,6 +68,7 @@ class W8A8Weight(QuantizedWeight):
         self.shape = tuple(q.shape)
         self.per_bucket = ("int_mm",) * len(BUCKETS)     # choose_kernels replaces it by measured choices
         self._onednn = None                                # qlinear_prepack'ed codes, when a bucket uses them
+        self._own = None                                   # cpu_w8a8.pack'ed codes, likewise
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the product applies to the original x: q * scale, times inv_smooth along K."""
@@ -78,6 +82,10 @@ class W8A8Weight(QuantizedWeight):
 
     def product(self, qx: torch.Tensor, sx: torch.Tensor, kernel: str) -> torch.Tensor:
         """qx int8 [M, K], sx [M, 1] -> float32 [M, N] = sx * scales * (qx @ q.T) by `kernel`."""
+        if kernel == "own" and self.shape[1] % 4 == 0:
+            return cpu_w8a8.product(qx, sx, self._own_packed())
+        if kernel == "own":                  # its layout takes K in fours: torch's kernel for this one
+            kernel = "int_mm"
         if kernel == "int_mm":
             acc = torch._int_mm(qx, self.qt)
         elif kernel == "onednn":
@@ -91,15 +99,28 @@ class W8A8Weight(QuantizedWeight):
             acc = qx.float() @ self.qt.float()
         return (acc * self.scales).mul_(sx)
 
+    def _own_packed(self):
+        if self._own is None:
+            self._own = cpu_w8a8.pack(self.qt.t(), self.scales)
+        return self._own
+
+    def run(self, x2: torch.Tensor, kernel: str) -> torch.Tensor:
+        """x2 [M, K] @ w.T in x2's dtype by `kernel` (the own one quantizes x2 itself)."""
+        if kernel == "own" and x2.dtype in (torch.bfloat16, torch.float32) and x2.stride(-1) == 1 \
+                and self.shape[1] % 4 == 0:
+            return cpu_w8a8.linear(x2, self._own_packed(), self.inv_smooth)
+        qx, sx = quantize_rows(x2, self.inv_smooth)
+        return self.product(qx, sx, kernel).to(x2.dtype)
+
     def linear(self, x: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        qx, sx = quantize_rows(x2, self.inv_smooth)
-        y = self.product(qx, sx, self.kernel_for(x2.shape[0])).to(x.dtype).view(*x.shape[:-1], self.shape[0])
+        y = self.run(x2, self.kernel_for(x2.shape[0])).view(*x.shape[:-1], self.shape[0])
         return y if b is None else y + b
 
     def tensors(self) -> list[torch.Tensor]:
         extra = [self.inv_smooth] if self.inv_smooth is not None else []
-        return [self.qt, self.scales] + extra + ([self._onednn] if self._onednn is not None else [])
+        own = [self._own.wp, self._own.colsum, self._own.scales] if self._own is not None else []
+        return [self.qt, self.scales] + extra + ([self._onednn] if self._onednn is not None else []) + own
 
 
 def _candidates() -> list[str]:
@@ -115,7 +136,7 @@ def _candidates() -> list[str]:
                 ok.append(k)
         except (RuntimeError, NotImplementedError):      # not built into this torch / CPU
             pass
-    w._onednn = None
+    w._onednn = w._own = None
     return ok + ["float"]
 
 
@@ -131,7 +152,8 @@ def _time(fn, budget_s: float) -> float:
     return best
 
 
-def choose_kernels(weights: list[W8A8Weight], budget_s: float = 0.5) -> dict[int, str]:
+def choose_kernels(weights: list[W8A8Weight], budget_s: float = 0.5,
+                   dtype: torch.dtype = torch.bfloat16) -> dict[int, str]:
     """Time each candidate kernel on every distinct weight shape (weighted by how many layers have it) at
     each bucket's row count, and give every weight the fastest per bucket. Bounded: each timing stops after
     its share of budget_s. Returns {bucket: kernel}."""
@@ -147,13 +169,15 @@ def choose_kernels(weights: list[W8A8Weight], budget_s: float = 0.5) -> dict[int
         m = min(rows, MEASURE_MAX_ROWS)
         cost = dict.fromkeys(cands, 0.0)
         for shape, ws in shapes.items():
-            qx, sx = quantize_rows(torch.randn(m, shape[1]))
+            x = torch.randn(m, shape[1]).to(dtype)      # the whole product: quantizing x included
             for k in cands:
-                cost[k] += len(ws) * _time(lambda: ws[0].product(qx, sx, k), share)
+                cost[k] += len(ws) * _time(lambda: ws[0].run(x, k), share)
         chosen.append(min(cost, key=cost.get))
     for w in weights:
         w.per_bucket = tuple(chosen)
-        w._onednn = None
+        w._onednn = w._own = None
+        if "own" in chosen:
+            w._own_packed()
         if "onednn" in chosen:          # packed now, so the ledger counts what the products will hold
             w._onednn = torch.ops.onednn.qlinear_prepack(w.qt.t().contiguous(), None)
     return dict(zip(BUCKETS, chosen))

@@ -28,6 +28,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "cpu_gemm_avx2.h"
 #include "ops.h"
@@ -124,8 +126,11 @@ enum Isa { NONE = 0, AVX2 = 1, AVX512_BF16 = 2 };
 
 int detect() {
 #ifdef BR_GEMM_X86
+  const char* cap = std::getenv("BATCHRUN_TEST_MAX_ISA");     // vec.h's test cap: "avx2", "baseline"
+  if (cap != nullptr && std::strcmp(cap, "baseline") == 0) return NONE;
+  const bool avx2_only = cap != nullptr && std::strcmp(cap, "avx2") == 0;
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))
     return AVX512_BF16;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;

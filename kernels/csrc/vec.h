@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -203,8 +204,29 @@ BR_INLINE typename VT<V>::f vexp(typename VT<V>::f x) {
   return x < lo ? F{} : r;
 }
 
-// 0: baseline, 1: AVX2 + FMA, 2: AVX-512
+// $BATCHRUN_TEST_MAX_ISA ("avx2", "baseline"): the highest level any op of the library may use, so that the
+// whole suite can run the paths of a machine without AVX-512 on one that has it; 2 (no cap) when unset
+inline int64_t isa_cap_from_env() {
+  const char* v = std::getenv("BATCHRUN_TEST_MAX_ISA");
+  if (v == nullptr) return 2;
+  if (std::strcmp(v, "avx2") == 0) return 1;
+  if (std::strcmp(v, "baseline") == 0) return 0;
+  return 2;
+}
+
+// 0: baseline, 1: AVX2 + FMA, 2: AVX-512 (capped by $BATCHRUN_TEST_MAX_ISA)
 inline int64_t detect_isa() {
+  const int64_t cap = isa_cap_from_env();
+  if (cap < 2) {
+    const int64_t below = cap;   // the machine's own level still bounds it
+#ifdef BR_X86_DISPATCH
+    __builtin_cpu_init();
+    if (below == 1 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                        __builtin_cpu_supports("f16c")))
+      return 0;
+#endif
+    return below;
+  }
 #ifdef BR_X86_DISPATCH
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

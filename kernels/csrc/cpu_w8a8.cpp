@@ -1,0 +1,256 @@
+// W8A8 products on x86-64 CPUs with AVX-512 VNNI (batchrun.kernels.cpu_w8a8; models/w8a8.py's "own" kernel).
+//
+// batchrun_cpu::w8a8_quantize(x [M, K] bf16/f32, inv_smooth [K] f32 or empty) -> (u8 [M, K] uint8, sx [M] f32)
+//   per row: v = x * inv_smooth, sx = max|v| / 127 (at least 1e-30), code round(v / sx) stored + 128 as uint8:
+//   models/w8a8.py quantize_rows' arithmetic in the same order (float division, ties to even), so the codes
+//   are its codes + 128.
+// batchrun_cpu::w8a8_gemm(u8 [M, K], sx [M], wp [blocks, K/4, 16, 4] int8, colsum [blocks*16] int32,
+//                         scales [blocks*16] f32, n, bf16_out) -> [M, n] (bf16 or f32)
+//   y[m, j] = (float(sum_k (u8[m, k] - 128) w[j, k]) * scales[j]) * sx[m], as the int_mm path computes it: one
+//   VPDPBUSD multiplies 4 unsigned activation bytes by 4 signed weight bytes for 16 outputs and adds into 16
+//   int32 sums; the shift by 128 comes off as 128 * colsum[j] (colsum[j] = sum_k w[j, k]). So the result equals
+//   torch._int_mm's path bit for bit (float32, and its rounding to bfloat16). A tile of MR rows x NB blocks
+//   keeps its sums in registers; threads take (block group, row chunk) items as the bf16 kernel does.
+// Both ops refuse to run without AVX-512 VNNI (w8a8_supported() says): models/w8a8.py then keeps torch's kernels.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <tuple>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define BR_VNNI_X86 1
+#endif
+
+namespace {
+
+using torch::stable::Tensor;
+using torch::headeronly::ScalarType;
+
+constexpr int NB = 4;   // blocks of 16 outputs per tile
+constexpr int MR = 6;   // rows per tile: 24 int32 accumulators + 4 weight vectors + 1 broadcast
+
+bool detect() {
+#ifdef BR_VNNI_X86
+  if (std::getenv("BATCHRUN_TEST_MAX_ISA") != nullptr) return false;   // vec.h's test cap: below AVX-512
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+bool supported() {
+  static const bool ok = detect();
+  return ok;
+}
+
+#ifdef BR_VNNI_X86
+#define BR_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+BR_VNNI_TARGET inline __m512 load16(const void* p, bool bf16, __mmask16 m) {
+  if (!bf16) return _mm512_maskz_loadu_ps(m, p);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// rows [r0, r1) of x into codes + 128 and their scales
+BR_VNNI_TARGET void quantize_rows(const void* x, int64_t xs, bool bf16, const float* inv, int64_t K, uint8_t* u8,
+                                  float* sx, int64_t r0, int64_t r1) {
+  const int64_t esz = bf16 ? 2 : 4;
+  for (int64_t r = r0; r < r1; ++r) {
+    const char* row = static_cast<const char*>(x) + r * xs * esz;
+    __m512 lo = _mm512_set1_ps(__builtin_inff()), hi = _mm512_set1_ps(-__builtin_inff());
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 m = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+      __m512 v = load16(row + k * esz, bf16, m);
+      if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
+      lo = _mm512_mask_min_ps(lo, m, lo, v);
+      hi = _mm512_mask_max_ps(hi, m, hi, v);
+    }
+    float s = std::max(-_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi)) / 127.0f;
+    s = std::max(s, 1e-30f);
+    sx[r] = s;
+    const __m512 sv = _mm512_set1_ps(s);
+    const __m512i shift = _mm512_set1_epi32(128);
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 m = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+      __m512 v = load16(row + k * esz, bf16, m);
+      if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
+      const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(q), shift);
+      _mm_mask_storeu_epi8(u8 + r * K + k, m, _mm512_cvtepi32_epi8(c));
+    }
+  }
+}
+
+BR_VNNI_TARGET inline __m256i to_bf16(__m512 f) {  // round to nearest even, as torch converts finite floats
+  const __m512i b = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
+}
+
+struct Gemm {
+  const uint8_t* x;
+  int64_t K, KP, M, blocks, n;
+  const int8_t* wp;
+  const int32_t* colsum;
+  const float* sw;
+  const float* sx;
+  void* out;
+  bool bf16;
+};
+
+template <int R, int B>
+BR_VNNI_TARGET inline void tile(const Gemm& g, int64_t m0, int64_t b0) {
+  __m512i acc[R][B];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_si512();
+  const int8_t* w0 = g.wp + b0 * g.KP * 64;
+  const uint8_t* x0 = g.x + m0 * g.K;
+  for (int64_t p = 0; p < g.KP; ++p) {
+    __m512i w[B];
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) w[b] = _mm512_loadu_si512(w0 + (b * g.KP + p) * 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      __builtin_memcpy(&quad, x0 + r * g.K + 4 * p, 4);
+      const __m512i xv = _mm512_set1_epi32(quad);
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], xv, w[b]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int b = 0; b < B; ++b) {
+    const int64_t col = (b0 + b) * 16, left = g.n - col;
+    const __mmask16 m = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(g.colsum + col), 7);
+    const __m512 sw = _mm512_loadu_ps(g.sw + col);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b], off)), sw),
+                                     _mm512_set1_ps(g.sx[m0 + r]));
+      if (g.bf16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(g.out) + (m0 + r) * g.n + col, m, to_bf16(f));
+      else _mm512_mask_storeu_ps(static_cast<float*>(g.out) + (m0 + r) * g.n + col, m, f);
+    }
+  }
+}
+
+template <int R>
+BR_VNNI_TARGET inline void row_tile(const Gemm& g, int64_t m0, int64_t b0, int64_t nb) {
+  switch (nb) {
+    case 4: return tile<R, 4>(g, m0, b0);
+    case 3: return tile<R, 3>(g, m0, b0);
+    case 2: return tile<R, 2>(g, m0, b0);
+    default: return tile<R, 1>(g, m0, b0);
+  }
+}
+
+BR_VNNI_TARGET void run(const Gemm& g, int64_t grp, int64_t m0, int64_t m1) {
+  const int64_t b0 = grp * NB, nb = std::min<int64_t>(NB, g.blocks - b0);
+  int64_t m = m0;
+  for (; m + MR <= m1; m += MR) row_tile<MR>(g, m, b0, nb);
+  switch (m1 - m) {
+    case 5: row_tile<5>(g, m, b0, nb); break;
+    case 4: row_tile<4>(g, m, b0, nb); break;
+    case 3: row_tile<3>(g, m, b0, nb); break;
+    case 2: row_tile<2>(g, m, b0, nb); break;
+    case 1: row_tile<1>(g, m, b0, nb); break;
+    default: break;
+  }
+}
+#endif
+
+std::tuple<Tensor, Tensor> w8a8_quantize(Tensor x, Tensor inv_smooth) {
+  STD_TORCH_CHECK(supported(), "w8a8_quantize: this CPU has no AVX-512 VNNI");
+  const ScalarType st = x.scalar_type();
+  STD_TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                      (st == ScalarType::BFloat16 || st == ScalarType::Float),
+                  "w8a8_quantize: x must be a bfloat16 or float32 [M, K] CPU tensor with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool smooth = inv_smooth.numel() > 0;
+  STD_TORCH_CHECK(!smooth || (inv_smooth.scalar_type() == ScalarType::Float && inv_smooth.is_contiguous() &&
+                              inv_smooth.numel() == K),
+                  "w8a8_quantize: inv_smooth must be a contiguous float32 [K] tensor (or empty)");
+  Tensor u8 = torch::stable::new_empty(x, {M, K}, ScalarType::Byte);
+  Tensor sx = torch::stable::new_empty(x, {M}, ScalarType::Float);
+#ifdef BR_VNNI_X86
+  const float* inv = smooth ? static_cast<const float*>(inv_smooth.data_ptr()) : nullptr;
+  auto body = [&](int64_t r0, int64_t r1) {
+    quantize_rows(x.data_ptr(), x.stride(0), st == ScalarType::BFloat16, inv, K,
+                  static_cast<uint8_t*>(u8.data_ptr()), static_cast<float*>(sx.data_ptr()), r0, r1);
+  };
+  if (M * K < (1 << 16)) body(0, M);
+  else torch::stable::parallel_for(0, M, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(K, 1)), body);
+#endif
+  return std::make_tuple(u8, sx);
+}
+
+Tensor w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor colsum, Tensor scales, int64_t n, bool bf16_out) {
+  STD_TORCH_CHECK(supported(), "w8a8_gemm: this CPU has no AVX-512 VNNI");
+  STD_TORCH_CHECK(u8.is_cpu() && u8.scalar_type() == ScalarType::Byte && u8.dim() == 2 && u8.is_contiguous(),
+                  "w8a8_gemm: u8 must be a contiguous uint8 [M, K] CPU tensor");
+  STD_TORCH_CHECK(wp.scalar_type() == ScalarType::Char && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 4 &&
+                      wp.is_contiguous(),
+                  "w8a8_gemm: wp must be a contiguous int8 [blocks, K/4, 16, 4] tensor (cpu_w8a8.pack)");
+  const int64_t M = u8.size(0), K = u8.size(1), blocks = wp.size(0), KP = wp.size(1);
+  STD_TORCH_CHECK(K == 4 * KP, "w8a8_gemm: u8 has K=", K, " but the packed weight ", 4 * KP);
+  STD_TORCH_CHECK(n > (blocks - 1) * 16 && n <= blocks * 16, "w8a8_gemm: n=", n, " does not match ", blocks,
+                  " blocks of 16");
+  STD_TORCH_CHECK(colsum.scalar_type() == ScalarType::Int && colsum.is_contiguous() && colsum.numel() == blocks * 16 &&
+                      scales.scalar_type() == ScalarType::Float && scales.is_contiguous() &&
+                      scales.numel() == blocks * 16,
+                  "w8a8_gemm: colsum (int32) and scales (float32) must be contiguous [blocks * 16]");
+  STD_TORCH_CHECK(sx.scalar_type() == ScalarType::Float && sx.is_contiguous() && sx.numel() == M,
+                  "w8a8_gemm: sx must be a contiguous float32 [M]");
+  Tensor out = torch::stable::new_empty(u8, {M, n}, bf16_out ? ScalarType::BFloat16 : ScalarType::Float);
+#ifdef BR_VNNI_X86
+  if (M == 0) return out;
+  const Gemm g{static_cast<const uint8_t*>(u8.data_ptr()), K, KP, M, blocks, n,
+               static_cast<const int8_t*>(wp.data_ptr()), static_cast<const int32_t*>(colsum.data_ptr()),
+               static_cast<const float*>(scales.data_ptr()), static_cast<const float*>(sx.data_ptr()),
+               out.data_ptr(), bf16_out};
+  const int64_t groups = (blocks + NB - 1) / NB;
+  const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
+  int64_t chunks = 1;        // rows are split only where the groups alone cannot balance the threads
+  if (groups < 8 * threads && M >= 4 * MR) chunks = std::min((8 * threads + groups - 1) / groups, M / (2 * MR));
+  const int64_t rows = ((M + chunks - 1) / chunks + MR - 1) / MR * MR;
+  chunks = (M + rows - 1) / rows;
+  auto body = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t grp = i / chunks, c = i % chunks;
+      run(g, grp, c * rows, std::min(M, (c + 1) * rows));
+    }
+  };
+  if (threads == 1 || groups * chunks == 1 || M * n * K < (1 << 18)) body(0, groups * chunks);
+  else torch::stable::parallel_for(0, groups * chunks, 1, body);
+#endif
+  return out;
+}
+
+bool w8a8_supported() { return supported(); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
+  m.def("w8a8_quantize(Tensor x, Tensor inv_smooth) -> (Tensor, Tensor)");
+  m.def("w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor colsum, Tensor scales, int n, bool bf16_out) -> Tensor");
+  m.def("w8a8_supported() -> bool");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) {
+  m.impl("w8a8_quantize", TORCH_BOX(&w8a8_quantize));
+  m.impl("w8a8_gemm", TORCH_BOX(&w8a8_gemm));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CompositeExplicitAutograd, m) {
+  m.impl("w8a8_supported", TORCH_BOX(&w8a8_supported));
+}
