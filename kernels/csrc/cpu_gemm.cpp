@@ -28,11 +28,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "cpu_gemm_avx2.h"
 #include "ops.h"
+#include "vec.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -126,9 +125,9 @@ enum Isa { NONE = 0, AVX2 = 1, AVX512_BF16 = 2 };
 
 int detect() {
 #ifdef BR_GEMM_X86
-  const char* cap = std::getenv("BATCHRUN_TEST_MAX_ISA");     // vec.h's test cap: "avx2", "baseline"
-  if (cap != nullptr && std::strcmp(cap, "baseline") == 0) return NONE;
-  const bool avx2_only = cap != nullptr && std::strcmp(cap, "avx2") == 0;
+  const int64_t cap = isa_cap_from_env();     // $BATCHRUN_TEST_MAX_ISA (vec.h)
+  if (cap == 0) return NONE;
+  const bool avx2_only = cap == 1;
   __builtin_cpu_init();
   if (!avx2_only && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"))

@@ -19,8 +19,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <tuple>
+
+#include "vec.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -37,7 +38,7 @@ constexpr int MR = 6;   // rows per tile: 24 int32 accumulators + 4 weight vecto
 
 bool detect() {
 #ifdef BR_VNNI_X86
-  if (std::getenv("BATCHRUN_TEST_MAX_ISA") != nullptr) return false;   // vec.h's test cap: below AVX-512
+  if (isa_cap_from_env() < 2) return false;   // $BATCHRUN_TEST_MAX_ISA below AVX-512 (vec.h)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");

@@ -216,25 +216,17 @@ inline int64_t isa_cap_from_env() {
 
 // 0: baseline, 1: AVX2 + FMA, 2: AVX-512 (capped by $BATCHRUN_TEST_MAX_ISA)
 inline int64_t detect_isa() {
-  const int64_t cap = isa_cap_from_env();
-  if (cap < 2) {
-    const int64_t below = cap;   // the machine's own level still bounds it
-#ifdef BR_X86_DISPATCH
-    __builtin_cpu_init();
-    if (below == 1 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                        __builtin_cpu_supports("f16c")))
-      return 0;
-#endif
-    return below;
-  }
+  int64_t level = 0;
 #ifdef BR_X86_DISPATCH
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
-    return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
+    level = 2;
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    level = 1;
 #endif
-  return 0;
+  const int64_t cap = isa_cap_from_env();
+  return level < cap ? level : cap;
 }
 // called by every op call (per layer, per step): the machine's answer, detected once
 inline int64_t best_isa() {
