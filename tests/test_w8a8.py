@@ -198,3 +198,32 @@ def test_own_kernel_equals_the_int_mm_path_bit_for_bit(dtype, smooth, rows, shap
     own, ref = w.run(x, "own"), w.run(x, "int_mm")
     assert own.dtype == dtype and torch.equal(own, ref)
     assert (w._own is not None) == (k % 4 == 0)            # K=22 does not fit the layout: torch's kernel ran
+
+
+@pytest.mark.parametrize("kernel", ["own", "int_mm"])
+def test_whole_layer_op_runs_w8a8_as_the_per_op_path(hf_models, monkeypatch, kernel):
+    """The one-call decoder layer takes the own kernel's packed int8 projections (the SmoothQuant division of
+    o/down included) and gives the per-op path's greedy tokens; where another kernel was measured fastest the
+    step runs the per-op path."""
+    from batchrun import SamplingParams
+    from batchrun.kernels import cpu_decoder_layer, cpu_w8a8
+    if not cpu_w8a8.supported():
+        pytest.skip("no AVX-512 VNNI here: the op takes no int8 projection (models/cpu_fused._op_form)")
+    import batchrun.models.w8a8 as w8a8
+    monkeypatch.setattr(w8a8, "_candidates", lambda: [kernel])        # forces the measured choice
+    monkeypatch.setenv("BATCHRUN_CALIBRATION_CACHE", "0")
+    calls = []
+    real = cpu_decoder_layer.decoder_layer
+    monkeypatch.setattr(cpu_decoder_layer, "decoder_layer", lambda *a, **k: (calls.append(len(a[-1])), real(*a, **k)))
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], list(range(10, 60)), [3] * 20)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="bfloat16", quantization="w8a8", quantization_calibration=2)
+    whole = _model(hf_models["llama"][0], **kw)
+    assert whole.engine.memory_ledger["decoder_layer_op"] is True
+    a = whole.generate(prompts, params, use_tqdm=False)
+    assert calls == ([12] * len(calls) if kernel == "own" else []) and (calls or kernel != "own")
+    monkeypatch.setenv("BATCHRUN_CPU_LAYER_OP", "0")
+    per_op = _model(hf_models["llama"][0], **kw)
+    assert per_op.engine.memory_ledger["decoder_layer_op"] is False
+    b = per_op.generate(prompts, params, use_tqdm=False)
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]

@@ -8,7 +8,7 @@ but for a few float32 ulp (kernels/cpu_layer_ops.py says where). use_fused_layer
 BATCHRUN_CPU_FUSED_OPS=0 keeps the torch math.
 
 Where every layer is a bf16 Llama/Mistral layer (its projections in any of models/cpu_linear.py's forms,
-chosen per step's rows), the whole layer, attention included, is one call (kernels/cpu_decoder_layer.py): the same ops in the same
+chosen per step's rows, or W8A8 ones where their measured kernel is batchrun's own), the whole layer, attention included, is one call (kernels/cpu_decoder_layer.py): the same ops in the same
 order as pre_attention -> attention -> post_attention here, so bit-identical to them, which remain its
 reference and the path for everything else. BATCHRUN_CPU_LAYER_OP=0 keeps the per-op path.
 """
@@ -19,10 +19,11 @@ from typing import Optional
 
 import torch
 
-from batchrun.kernels import cpu_decoder_layer, cpu_layer_ops as ops
+from batchrun.kernels import cpu_decoder_layer, cpu_layer_ops as ops, cpu_w8a8
 from batchrun.models.cpu_linear import ChosenWeight, linear
 from batchrun.models.kernel_choice import ROWS, bucket_of
 from batchrun.models.llama import DenseFns
+from batchrun.models.w8a8 import W8A8Weight
 
 FUSED_OPS_ENV = "BATCHRUN_CPU_FUSED_OPS"
 LAYER_OP_ENV = "BATCHRUN_CPU_LAYER_OP"
@@ -79,19 +80,53 @@ def whole_layers(model, h: torch.Tensor, rope: tuple, kv_caches: torch.Tensor, m
     h = h.contiguous()
     step = (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables)
     args = model._layer_op_args[bucket_of(h.shape[0])]      # the projections' forms for this many rows
-    for i, (layer, (weights, shape)) in enumerate(zip(model.layers, args)):
+    if args is None:                       # a W8A8 kernel other than the op's was measured fastest here
+        return model.run_layers(h, rope, kv_caches, meta, backend)
+    for i, (layer, (weights, shape, w8a8)) in enumerate(zip(model.layers, args)):
         a = layer.self_attn        # the KV scales are read per call: a calibration may set them after load
         cpu_decoder_layer.decoder_layer(h, weights, kv_caches, i, cos_sin, positions, *step, *shape,
-                                        a.k_scale, a.v_scale, backend.sdpa_from)
+                                        a.k_scale, a.v_scale, backend.sdpa_from, w8a8)
     return h
 
 
 def _op_form(w) -> bool:
     """A projection weight the op can run: bf16 in the own layouts, oneDNN's, or plain [n, K] (or a
-    ChosenWeight of those)."""
+    ChosenWeight of those); or W8A8 in whole blocks of 16 outputs where the own kernel runs."""
     if isinstance(w, ChosenWeight):
         return all(_op_form(f) for f in w.forms.values())
+    if isinstance(w, W8A8Weight):
+        return w.shape[0] % 16 == 0 and w.shape[1] % 4 == 0 and cpu_w8a8.supported()
     return isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and (w.dim() >= 4 or w.dim() == 2)
+
+
+_NONE = torch.empty(0)
+
+
+def _form_for(w, rows: int) -> Optional[tuple]:
+    """(the weight the op takes for `rows`, its three w8a8 tensors or empty ones); None where a W8A8 weight's
+    kernel for these rows is not the own one the op runs."""
+    if isinstance(w, ChosenWeight):
+        return w.form_for(rows), (_NONE,) * 3
+    if isinstance(w, W8A8Weight):
+        if w.kernel_for(rows) != "own":
+            return None
+        p = w.own_packed()
+        return p.wp, (p.colsum, p.scales, _NONE if w.inv_smooth is None else w.inv_smooth)
+    return w, (_NONE,) * 3
+
+
+def _bucket_args(args: list, rows: int) -> Optional[list]:
+    """Each layer's (weights, shape, w8a8 tensors) for a step of `rows` rows, or None (the per-op path)."""
+    out = []
+    for (ln1, qkv, o, ln2, gate_up, down), shape in args:
+        projs = (qkv, o, gate_up, down)
+        forms = [_form_for(w, rows) for w in projs]
+        if any(f is None for f in forms):
+            return None
+        w8a8 = [t for _, extra in forms for t in extra] if any(isinstance(w, W8A8Weight) for w in projs) else []
+        (qkv, _), (o, _), (gate_up, _), (down, _) = forms
+        out.append(((ln1, qkv, o, ln2, gate_up, down), shape, w8a8))
+    return out
 
 
 def _layer_op_args(layer) -> Optional[tuple]:
@@ -115,7 +150,6 @@ def use_fused_layer_ops(model, whole_layer: bool = True) -> None:
     if not whole_layer or os.environ.get(LAYER_OP_ENV, "1") == "0" or not cpu_decoder_layer.available():
         return
     args = [_layer_op_args(layer) for layer in model.layers]
-    if all(a is not None for a in args):     # per row-count bucket: each ChosenWeight in that bucket's form
-        model._layer_op_args = [[(tuple(w.form_for(rows) if isinstance(w, ChosenWeight) else w for w in ws), shape)
-                                 for ws, shape in args] for rows in ROWS]
+    if all(a is not None for a in args):     # per row-count bucket: each weight in that bucket's form
+        model._layer_op_args = [_bucket_args(args, rows) for rows in ROWS]
         model._dense_fns = FUSED_DENSE._replace(layers=whole_layers)

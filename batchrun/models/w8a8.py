@@ -83,7 +83,7 @@ class W8A8Weight(QuantizedWeight):
     def product(self, qx: torch.Tensor, sx: torch.Tensor, kernel: str) -> torch.Tensor:
         """qx int8 [M, K], sx [M, 1] -> float32 [M, N] = sx * scales * (qx @ q.T) by `kernel`."""
         if kernel == "own" and self.shape[1] % 4 == 0:
-            return cpu_w8a8.product(qx, sx, self._own_packed())
+            return cpu_w8a8.product(qx, sx, self.own_packed())
         if kernel == "own":                  # its layout takes K in fours: torch's kernel for this one
             kernel = "int_mm"
         if kernel == "int_mm":
@@ -99,7 +99,7 @@ class W8A8Weight(QuantizedWeight):
             acc = qx.float() @ self.qt.float()
         return (acc * self.scales).mul_(sx)
 
-    def _own_packed(self):
+    def own_packed(self):
         if self._own is None:
             self._own = cpu_w8a8.pack(self.qt.t(), self.scales)
         return self._own
@@ -108,7 +108,7 @@ class W8A8Weight(QuantizedWeight):
         """x2 [M, K] @ w.T in x2's dtype by `kernel` (the own one quantizes x2 itself)."""
         if kernel == "own" and x2.dtype in (torch.bfloat16, torch.float32) and x2.stride(-1) == 1 \
                 and self.shape[1] % 4 == 0:
-            return cpu_w8a8.linear(x2, self._own_packed(), self.inv_smooth)
+            return cpu_w8a8.linear(x2, self.own_packed(), self.inv_smooth)
         qx, sx = quantize_rows(x2, self.inv_smooth)
         return self.product(qx, sx, kernel).to(x2.dtype)
 
@@ -177,7 +177,7 @@ def choose_kernels(weights: list[W8A8Weight], budget_s: float = 0.5,
         w.per_bucket = tuple(chosen)
         w._onednn = w._own = None
         if "own" in chosen:
-            w._own_packed()
+            w.own_packed()
         if "onednn" in chosen:          # packed now, so the ledger counts what the products will hold
             w._onednn = torch.ops.onednn.qlinear_prepack(w.qt.t().contiguous(), None)
     return dict(zip(BUCKETS, chosen))

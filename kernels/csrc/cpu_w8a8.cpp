@@ -256,6 +256,13 @@ bool w8a8_supported() { return supported(); }
 
 }  // namespace
 
+namespace brcpu {  // for ops composed of these (ops.h)
+Tensor w8a8_linear(Tensor x, Tensor inv_smooth, Tensor wp, Tensor colsum, Tensor scales, int64_t n) {
+  auto [u8, sx] = ::w8a8_quantize(x, inv_smooth);
+  return ::w8a8_gemm(u8, sx, wp, colsum, scales, n, x.scalar_type() == ScalarType::BFloat16);
+}
+}  // namespace brcpu
+
 STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
   m.def("w8a8_quantize(Tensor x, Tensor inv_smooth) -> (Tensor, Tensor)");
   m.def("w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor colsum, Tensor scales, int n, bool bf16_out) -> Tensor");
