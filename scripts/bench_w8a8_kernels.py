@@ -1,0 +1,61 @@
+"""W8A8's int8 products against the bf16 kernel on SmolLM2-135M's projection shapes (30 layers: qkv 960x576,
+o 576x576, gate_up 3072x576, down 576x1536; random weights, since speed depends on shapes only), per row
+count: one pass over every layer, ms (best of --reps), each W8A8 kernel as the whole product (x quantized per
+row, the int32 sums scaled to bf16), and GOP/s. The measured choice (models/w8a8.choose_kernels) picks among
+these per row bucket at quantize time; this prints what it picks from.
+
+    python scripts/bench_w8a8_kernels.py [--rows 1,16,64,256,2048] [--reps 3] [--layers 30]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from batchrun.kernels import cpu_gemm
+from batchrun.models.cpu_info import machine_kind
+from batchrun.models.w8a8 import W8A8Weight, _candidates, quantize_w8
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,16,64,256,2048")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=30)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    layers = [[torch.randn(n, k) * 0.05 for n, k in SHAPES] for _ in range(a.layers)]
+    forms = {}
+    if cpu_gemm.supported():
+        packed = [[(cpu_gemm.pack(w.bfloat16()), w.shape[0]) for w in ws] for ws in layers]
+        forms["bf16 own"] = lambda x, i, j: cpu_gemm.linear(x, *packed[i][j])
+    plain = [[w.bfloat16() for w in ws] for ws in layers]
+    forms["bf16 F.linear"] = lambda x, i, j: torch.nn.functional.linear(x, plain[i][j])
+    quant = [[W8A8Weight(*quantize_w8(w)) for w in ws] for ws in layers]
+    for k in _candidates()[:-1]:                      # "float" is the reference, not a contender
+        forms[f"w8a8 {k}"] = lambda x, i, j, k=k: quant[i][j].run(x, k)
+    print(f"machine: {machine_kind()}; threads {torch.get_num_threads()}; {a.layers} layers")
+    print(f"{'rows':>6}" + "".join(f"{f:>22}" for f in forms) + "   best int8 / best bf16")
+    for m in (int(r) for r in a.rows.split(",")):
+        xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for _, k in SHAPES}
+        best = dict.fromkeys(forms, float("inf"))
+        for rep in range(a.reps + 1):                 # rep 0 warms (oneDNN builds a primitive per shape)
+            for f, fn in forms.items():
+                t0 = time.perf_counter()
+                for i in range(a.layers):
+                    for j, (_, k) in enumerate(SHAPES):
+                        fn(xs[k], i, j)
+                if rep:
+                    best[f] = min(best[f], time.perf_counter() - t0)
+        ops = 2 * m * a.layers * sum(n * k for n, k in SHAPES)
+        bf = min(t for f, t in best.items() if f.startswith("bf16"))
+        i8 = min(t for f, t in best.items() if f.startswith("w8a8"))
+        print(f"{m:>6}" + "".join(f"{t * 1e3:>11.2f} ({ops / t / 1e9:>5.0f}/s)" for t in best.values())
+              + f"   {bf / i8:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
