@@ -149,3 +149,19 @@ def test_validate_shows_the_choice_and_refuses_a_bad_knob(tmp_path, monkeypatch,
     assert "cpu_gemm plain: forced" in invoke("validate", jf).stdout
     bad = job(tmp_path, path, "in", name="bad.yaml", engine={"cpu_gemm": "amx"})
     fails(invoke("validate", bad), 2, "bad.yaml", "cpu_gemm", "amx")
+
+
+def test_a_choice_measured_under_an_isa_cap_is_cached_apart(monkeypatch, tmp_path):
+    """BATCHRUN_TEST_MAX_ISA (and torch's / oneDNN's caps) change which kernels run, so the cache file too."""
+    monkeypatch.setenv("BATCHRUN_KERNEL_CACHE", str(tmp_path))
+    for v in kc.ISA_CAP_ENVS:
+        monkeypatch.delenv(v, raising=False)
+    plain = kc.cache_file(kc.signature([(8, 8)], 2))
+    files = {plain}
+    for v, cap in zip(kc.ISA_CAP_ENVS, ("avx2", "avx2", "AVX2")):
+        monkeypatch.setenv(v, cap)
+        files.add(kc.cache_file(kc.signature([(8, 8)], 2)))
+    assert len(files) == 4
+    for v in kc.ISA_CAP_ENVS:
+        monkeypatch.delenv(v)
+    assert kc.cache_file(kc.signature([(8, 8)], 2)) == plain

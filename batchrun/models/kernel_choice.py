@@ -104,13 +104,18 @@ def _stream(model) -> list[list[torch.Tensor]]:
     return [ws for ws in layers if ws] + [head]
 
 
+# what bounds the instruction set the kernels run below the CPU's flags (batchrun's test cap, torch's, oneDNN's):
+# a choice measured under one is not the machine's under another
+ISA_CAP_ENVS = ("BATCHRUN_TEST_MAX_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
 def signature(shapes: list, threads: int) -> dict:
     from batchrun.kernels import cpu_attention
     info = cpu_info.cpu_info()
     build = cpu_attention.build_dir().name       # names the own kernel's binary without building it
     return {"version": VERSION, "cpu": info["model"], "flags": info["flags"], "threads": threads,
             "torch": torch.__version__, "own_build": build, "shapes": [list(s) for s in shapes],
-            "bounds": list(BOUNDS[:-1])}
+            "bounds": list(BOUNDS[:-1]), "isa_caps": {v: os.environ.get(v) for v in ISA_CAP_ENVS}}
 
 
 def cache_file(sig: dict, sub: str = "") -> Optional[Path]:
