@@ -227,3 +227,31 @@ def test_whole_layer_op_runs_w8a8_as_the_per_op_path(hf_models, monkeypatch, ker
     assert per_op.engine.memory_ledger["decoder_layer_op"] is False
     b = per_op.generate(prompts, params, use_tqdm=False)
     assert [x.token_ids for x in a] == [y.token_ids for y in b]
+
+
+_EXACT_ON_EXTREMES = """
+import torch
+from batchrun.models.w8a8 import W8A8Weight, _candidates, _extreme_codes
+q, x = _extreme_codes()
+w = W8A8Weight(q, torch.ones(q.shape[0]))
+ref = x.double() @ q.double().T
+for k in _candidates():
+    assert torch.equal(w.product(x, torch.ones(4, 1), k).double(), ref), k
+print(" ".join(_candidates()))
+"""
+
+
+@pytest.mark.parametrize("caps", [{}, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                      "BATCHRUN_TEST_MAX_ISA": "avx2"}])
+def test_every_candidate_kernel_is_exact_at_the_ends_of_the_range(caps):
+    """Sums of +-127 x +-127 codes, every sign pattern, equal the float64 product in each kernel the choice may
+    pick, here and on the AVX2 kind's ISA (where torch._int_mm saturates int16 pair sums and is left out)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                            "BATCHRUN_TEST_MAX_ISA")}
+    r = subprocess.run([sys.executable, "-c", _EXACT_ON_EXTREMES], env={**env, **caps}, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "float"

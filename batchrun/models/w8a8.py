@@ -66,7 +66,7 @@ class W8A8Weight(QuantizedWeight):
         self.scales = scales.float().contiguous()
         self.inv_smooth = None if inv_smooth is None else inv_smooth.float().contiguous()
         self.shape = tuple(q.shape)
-        self.per_bucket = ("int_mm",) * len(BUCKETS)     # choose_kernels replaces it by measured choices
+        self.per_bucket = ("float",) * len(BUCKETS)      # the reference; choose_kernels measures the others
         self._onednn = None                                # qlinear_prepack'ed codes, when a bucket uses them
         self._own = None                                   # cpu_w8a8.pack'ed codes, likewise
 
@@ -123,20 +123,38 @@ class W8A8Weight(QuantizedWeight):
         return [self.qt, self.scales] + extra + ([self._onednn] if self._onednn is not None else []) + own
 
 
+def _extreme_codes(n: int = 32, k: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight codes [n, k], activation codes [4, k]) at the ends of int8's range, every sign pattern: where a
+    kernel without VNNI adds u8 x s8 pairs in int16 (VPMADDUBSW), 2 x 255 x 127 saturates it."""
+    w = torch.full((n, k), 127, dtype=torch.int8)
+    w[1::2] = -127
+    w[2::4, ::2] = -127
+    x = torch.full((4, k), 127, dtype=torch.int8)
+    x[1] = -127
+    x[2, ::2] = -127
+    x[3, 1::2] = -127
+    return w, x
+
+
 def _candidates() -> list[str]:
-    """The kernels that run on this machine (each tried once on a small product, compared with "float")."""
+    """The kernels that run on this machine and are exact: each tried once on a random product and once on
+    codes at the ends of the range, compared with "float" (exact here: |sums| < 2^24). torch._int_mm on a CPU
+    capped below VNNI (ATEN_CPU_CAPABILITY=avx2 with ONEDNN_MAX_CPU_ISA=AVX2, as the AVX2 kind runs) saturates
+    on the second and so is not one."""
     q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
-    w = W8A8Weight(q, torch.ones(32))
-    qx, sx = quantize_rows(torch.randn(4, 64))
-    ref = w.product(qx, sx, "float")
+    qe, xe = _extreme_codes()
+    cases = []
+    for codes, qx in ((q, quantize_rows(torch.randn(4, 64))[0]), (qe, xe)):
+        w = W8A8Weight(codes, torch.ones(codes.shape[0]))
+        sx = torch.ones(qx.shape[0], 1)
+        cases.append((w, qx, sx, w.product(qx, sx, "float")))
     ok = []
     for k in KERNELS[:-1]:
         try:
-            if torch.allclose(w.product(qx, sx, k), ref, rtol=1e-6, atol=0):
+            if all(torch.equal(w.product(qx, sx, k), ref) for w, qx, sx, ref in cases):
                 ok.append(k)
         except (RuntimeError, NotImplementedError):      # not built into this torch / CPU
             pass
-    w._onednn = w._own = None
     return ok + ["float"]
 
 
