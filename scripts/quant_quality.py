@@ -4,12 +4,16 @@ Format compliance: the share of valid JSON answers to a JSON-producing prompt se
 an answer counts when, code fences stripped, json.loads gives an object with the asked keys. Perplexity can
 hold while this falls (the seed's 98% -> 82%), so it is measured beside it. Held-out calibration rows:
 stdlib docstrings after the ones the perplexity text takes, written to a JSONL file.
+
+    python scripts/quant_quality.py            # W8A8 vs bf16 speed on SmolLM2: prefill, B=64 and B=1 decode
+    python scripts/quant_quality.py --where    # where W8A8's top-1 loss is, per projection family
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 
@@ -89,7 +93,6 @@ def alternated_speed(path: str, rounds: int = 4) -> None:
     """bf16 vs w8a8 on one model, both engines loaded, their runs alternated (a shared host's noise hits
     both): best-of-rounds prefill tok/s, B=64 and B=1 decode tok/s, and the ratios."""
     import gc
-    import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_quant import decode_tps
     from batchrun import LLM
@@ -113,6 +116,44 @@ def alternated_speed(path: str, rounds: int = 4) -> None:
     os.unlink(calib)
 
 
+def loss_by_family(path: str, tokens: int = 2040) -> None:
+    """Where W8A8's top-1 loss against bf16 is: teacher-forced agreement with each projection family's
+    activations left in bf16 (its int8 weights kept: F.linear on them dequantised), then with only one family's
+    activations quantized, then with none (the int8 weights alone). The per-op path, so weights can be swapped."""
+    import gc
+    os.environ["BATCHRUN_CPU_LAYER_OP"] = "0"
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_quant import teacher_forced, text_chunks
+    from batchrun import LLM
+    common = dict(max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False, dtype="bfloat16")
+    ref = LLM(path, **common)
+    chunks = text_chunks(ref.tokenizer, tokens, 256)
+    ref_top, _ = teacher_forced(ref, chunks)
+    del ref
+    gc.collect()
+    calib = calibration_file(skip_docs=400)
+    model = LLM(path, quantization="w8a8", quantization_calibration=calib, **common)
+    layers = model.engine.runner.model.layers
+    fams = {"qkv": lambda l: l.self_attn.qkv_proj, "o": lambda l: l.self_attn.o_proj,
+            "gate_up": lambda l: l.mlp.gate_up_proj, "down": lambda l: l.mlp.down_proj}
+    quantized = {f: [g(layer).weight for layer in layers] for f, g in fams.items()}
+
+    def agreement(float_acts: set) -> float:
+        for f, g in fams.items():
+            for layer, w in zip(layers, quantized[f]):
+                g(layer).weight = w.dequantize(torch.bfloat16) if f in float_acts else w
+        tops, _ = teacher_forced(model, chunks)
+        return sum((a == b).sum().item() for a, b in zip(tops, ref_top)) / sum(len(c) - 1 for c in chunks)
+    print(f"top-1 vs bf16 over {sum(len(c) - 1 for c in chunks)} tokens: all W8A8 {agreement(set()):.1%}")
+    print("  activations in bf16 in: " + ", ".join(f"{f} {agreement({f}):.1%}" for f in fams))
+    print("  only these activations int8: " + ", ".join(f"{f} {agreement(set(fams) - {f}):.1%}" for f in fams))
+    print(f"  int8 weights alone: {agreement(set(fams)):.1%}")
+    os.unlink(calib)
+
+
 if __name__ == "__main__":
     from batchrun.models.smollm2 import smollm2_gguf
-    alternated_speed(smollm2_gguf())
+    if "--where" in sys.argv[1:]:
+        loss_by_family(smollm2_gguf())
+    else:
+        alternated_speed(smollm2_gguf())
