@@ -34,4 +34,4 @@ def decoder_layer(h: torch.Tensor, weights: tuple, kv_caches: torch.Tensor, laye
     torch.ops.batchrun_cpu.decoder_layer(h, *weights, kv_caches, layer, cos_sin, positions, slot_mapping,
                                          query_start_loc, seq_lens, block_tables, num_heads, float(eps),
                                          float(scale), int(sliding_window), float(k_scale), float(v_scale),
-                                         int(sdpa_from), list(w8a8))
+                                         int(sdpa_from), w8a8)

@@ -9,8 +9,9 @@ BATCHRUN_CPU_FUSED_OPS=0 keeps the torch math.
 
 Where every layer is a bf16 Llama/Mistral layer (its projections in any of models/cpu_linear.py's forms,
 chosen per step's rows, or W8A8 ones where their measured kernel is batchrun's own), the whole layer,
-attention included, is one call (kernels/cpu_decoder_layer.py): the same ops in the same order as pre_attention -> attention -> post_attention here, so bit-identical to them, which remain its
-reference and the path for everything else. BATCHRUN_CPU_LAYER_OP=0 keeps the per-op path.
+attention included, is one call (kernels/cpu_decoder_layer.py): the same ops in the same order as
+pre_attention -> attention -> post_attention here, so bit-identical to them, which remain its reference and
+the path for everything else. BATCHRUN_CPU_LAYER_OP=0 keeps the per-op path.
 """
 from __future__ import annotations
 

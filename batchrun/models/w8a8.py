@@ -99,7 +99,8 @@ class W8A8Weight(QuantizedWeight):
             acc = qx.float() @ self.qt.float()
         return (acc * self.scales).mul_(sx)
 
-    def own_packed(self):
+    def own_packed(self) -> cpu_w8a8.Packed:
+        """The codes in the own kernel's layout (packed once, on first use)."""
         if self._own is None:
             self._own = cpu_w8a8.pack(self.qt.t(), self.scales)
         return self._own
