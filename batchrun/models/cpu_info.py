@@ -13,27 +13,36 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
 
 @functools.lru_cache(maxsize=1)
 def cpu_info() -> dict:
-    """{"model", "flags" (those of ISA_FLAGS present), "cores" (this process may run on), "l3_bytes"}."""
-    model, flags = platform.processor() or platform.machine(), set()
+    """{"model", "family" (x86's "family F model M": "AMD EPYC" names Zen 4 and Zen 5 alike; "" elsewhere),
+    "flags" (those of ISA_FLAGS present), "cores" (this process may run on), "l3_bytes"}."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name":
-                    model = value.strip()
-                elif key == "flags":
-                    flags = set(value.split())
-                if model and flags and key == "":
-                    break
+            info = parse_cpuinfo(f)
     except OSError:
-        pass
+        info = parse_cpuinfo([])
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return {"model": model, "flags": [f for f in ISA_FLAGS if f in flags], "cores": cores,
-            "l3_bytes": _l3_bytes()}
+    return {**info, "cores": cores, "l3_bytes": _l3_bytes()}
+
+
+def parse_cpuinfo(lines) -> dict:
+    """{"model", "family", "flags"} from /proc/cpuinfo's lines (its first processor's block)."""
+    model, flags, ids = platform.processor() or platform.machine(), set(), {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name":
+            model = value.strip()
+        elif key == "flags":
+            flags = set(value.split())
+        elif key in ("cpu family", "model"):
+            ids[key] = value.strip()
+        if flags and key == "":
+            break
+    family = f"family {ids['cpu family']} model {ids['model']}" if len(ids) == 2 else ""
+    return {"model": model, "family": family, "flags": [f for f in ISA_FLAGS if f in flags]}
 
 
 def _l3_bytes() -> int:
@@ -56,10 +65,15 @@ def _l3_bytes() -> int:
 
 def machine_kind() -> str:
     """One line naming the CPU and the ISA level that matters here: "AMX", "AVX-512 BF16", "AVX2" or the
-    architecture, e.g. "AMD EPYC (AVX-512 BF16, VNNI; 2 cores)"."""
-    info = cpu_info()
+    architecture, e.g. "AMD EPYC family 26 model 2 (AVX-512 BF16, VNNI; 2 cores)"."""
+    return kind_of(cpu_info())
+
+
+def kind_of(info: dict) -> str:
+    """machine_kind() for a cpu_info()-shaped dict."""
     f = set(info["flags"])
     level = ("AMX" if "amx_bf16" in f else "AVX-512 BF16" if "avx512_bf16" in f
              else "AVX2" if "avx2" in f else platform.machine())
     vnni = ", VNNI" if f & {"avx512_vnni", "avx_vnni"} else ""
-    return f"{info['model']} ({level}{vnni}; {info['cores']} cores)"
+    name = f"{info['model']} {info['family']}" if info["family"] else info["model"]
+    return f"{name} ({level}{vnni}; {info['cores']} cores)"
