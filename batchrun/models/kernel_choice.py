@@ -113,8 +113,8 @@ def signature(shapes: list, threads: int) -> dict:
     from batchrun.kernels import cpu_attention
     info = cpu_info.cpu_info()
     build = cpu_attention.build_dir().name       # names the own kernel's binary without building it
-    return {"version": VERSION, "cpu": info["model"], "family": info["family"], "flags": info["flags"], "threads": threads,
-            "torch": torch.__version__, "own_build": build, "shapes": [list(s) for s in shapes],
+    return {"version": VERSION, "cpu": info["model"], "family": info["family"], "flags": info["flags"],
+            "threads": threads, "torch": torch.__version__, "own_build": build, "shapes": [list(s) for s in shapes],
             "bounds": list(BOUNDS[:-1]), "isa_caps": {v: os.environ.get(v) for v in ISA_CAP_ENVS}}
 
 
