@@ -8,7 +8,7 @@ It runs the library's own ops (rms_norm, bf16_linear, rope_, store_kv, paged_att
 silu_mul) in the order and with the arguments of models/cpu_fused.py's per-op path, so that path is its
 reference and the two agree bit for bit (tests/test_cpu_decoder_layer.py); one call replaces ~15 Python-level
 calls per layer. Llama and Mistral layers (no q/k/v bias, no q/k norms) whose projections are packed for
-cpu_gemm, oneDNN-packed or plain bf16, or packed for cpu_w8a8 (int8; their colsum, scales and inv_smooth in
+cpu_gemm, oneDNN-packed or plain bf16, or packed for cpu_w8a8 (int8; their offset, scales and inv_smooth in
 w8a8, three per projection) (kernels/csrc/cpu_decoder_layer.cpp). Built into cpu_attention.py's library.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def decoder_layer(h: torch.Tensor, weights: tuple, kv_caches: torch.Tensor, laye
                   sliding_window: int, k_scale: float = 1.0, v_scale: float = 1.0, sdpa_from: int = -1,
                   w8a8: list = ()) -> None:
     """weights: (ln1_w, qkv_wp, o_wp, ln2_w, gate_up_wp, down_wp); sliding_window -1 for none; sdpa_from: as
-    cpu_attention.paged_attention's; w8a8: (colsum, scales, inv_smooth or empty) of qkv, o, gate_up, down where
+    cpu_attention.paged_attention's; w8a8: (offset, scales, inv_smooth or empty) of qkv, o, gate_up, down where
     any of them is int8 (cpu_w8a8.Packed's), else empty."""
     torch.ops.batchrun_cpu.decoder_layer(h, *weights, kv_caches, layer, cos_sin, positions, slot_mapping,
                                          query_start_loc, seq_lens, block_tables, num_heads, float(eps),

@@ -1,11 +1,14 @@
 """W8A8 products with batchrun's own AVX-512 VNNI kernel (csrc/cpu_w8a8.cpp, built into cpu_attention.py's
 library): models/w8a8.py's "own" kernel, timed against torch's (_int_mm, oneDNN qlinear) like every other.
 
-pack(q [N, K] int8, scales [N]) -> Packed: the codes as [ceil(N/16), K/4, 16, 4] (K a multiple of 4), their
-per-output sums (the activations are stored shifted to uint8, and 128 x colsum takes the shift off) and the
-scales, both padded to whole blocks. linear(x, packed, inv_smooth) quantizes x per row and multiplies in one
-pass each: the same codes, sums and float32 roundings as models/w8a8.py's quantize_rows + torch._int_mm path,
-so equal to it bit for bit; product() takes that path's codes (tests, the candidate check).
+pack(q [N, K] int8, scales [N] or [N, G]) -> Packed: the codes as [ceil(N/16), K/4, 16, 4] (K a multiple of 4),
+-128 x their per-output sums per group of K / G columns (the activations are stored shifted to uint8; the
+kernel's int32 sums start at this offset, which takes the shift off) and the scales, both [G, N padded to
+whole blocks]. linear(x, packed,
+inv_smooth) quantizes x per row (G = 1) or per group of each row and multiplies, in one pass each. With one
+group: the same codes, sums and float32 roundings as models/w8a8.py's quantize_rows + torch._int_mm path, so
+equal to it bit for bit; with groups: its codes, and each group's sum folded by one FMA. product() takes that
+path's codes (tests, the candidate check).
 """
 from __future__ import annotations
 
@@ -18,9 +21,14 @@ from . import cpu_attention
 
 class Packed(NamedTuple):
     wp: torch.Tensor        # int8 [blocks, K/4, 16, 4]
-    colsum: torch.Tensor    # int32 [blocks * 16]
-    scales: torch.Tensor    # float32 [blocks * 16]
+    offset: torch.Tensor    # int32 [G, blocks * 16]: -128 * the codes' sum per output and group
+    scales: torch.Tensor    # float32 [G, blocks * 16]
     n: int
+
+    @property
+    def group(self) -> int:
+        """Columns per group along K."""
+        return self.wp.shape[1] * 4 // self.scales.shape[0]
 
 
 def supported() -> bool:
@@ -32,24 +40,26 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> Packed:
     if not supported():
         raise RuntimeError("cpu_w8a8: the library is not built here or the CPU has no AVX-512 VNNI")
     n, k = q.shape
-    if k % 4:
-        raise ValueError(f"cpu_w8a8.pack: K={k} is not a multiple of 4")
+    scales = scales.float().reshape(n, -1)
+    ng = scales.shape[1]
+    if k % 4 or k % ng or (ng > 1 and (k // ng) % 16):
+        raise ValueError(f"cpu_w8a8.pack: K={k} in {ng} groups does not fit (K a multiple of 4, groups of 16s)")
     pad = -n % 16
     qp = torch.nn.functional.pad(q, (0, 0, 0, pad))
     wp = qp.view(-1, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    colsum = qp.to(torch.int32).sum(1, dtype=torch.int32).contiguous()
-    return Packed(wp, colsum, torch.nn.functional.pad(scales.float(), (0, pad)).contiguous(), n)
+    offset = qp.view(n + pad, ng, k // ng).to(torch.int32).sum(2, dtype=torch.int32).mul_(-128).t().contiguous()
+    return Packed(wp, offset, torch.nn.functional.pad(scales, (0, 0, 0, pad)).t().contiguous(), n)
 
 
 def linear(x: torch.Tensor, p: Packed, inv_smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (bfloat16 or float32, contiguous rows) -> [M, N] in x's dtype."""
     inv = inv_smooth if inv_smooth is not None else x.new_empty(0, dtype=torch.float32)
-    u8, sx = torch.ops.batchrun_cpu.w8a8_quantize(x, inv)
-    return torch.ops.batchrun_cpu.w8a8_gemm(u8, sx, p.wp, p.colsum, p.scales, p.n, x.dtype == torch.bfloat16)
+    u8, sx = torch.ops.batchrun_cpu.w8a8_quantize(x, inv, p.group)
+    return torch.ops.batchrun_cpu.w8a8_gemm(u8, sx, p.wp, p.offset, p.scales, p.n, x.dtype == torch.bfloat16)
 
 
 def product(qx: torch.Tensor, sx: torch.Tensor, p: Packed) -> torch.Tensor:
-    """qx int8 [M, K], sx [M, 1] (quantize_rows') -> float32 [M, N] = sx * scales * (qx @ q.T)."""
+    """qx int8 [M, K], sx [M, G] (quantize_rows') -> float32 [M, N] = sum over groups of sx * scales * (qx @ q.T)."""
     u8 = (qx.to(torch.int16) + 128).to(torch.uint8)
-    return torch.ops.batchrun_cpu.w8a8_gemm(u8, sx.reshape(-1).float().contiguous(), p.wp, p.colsum, p.scales, p.n,
+    return torch.ops.batchrun_cpu.w8a8_gemm(u8, sx.reshape(-1).float().contiguous(), p.wp, p.offset, p.scales, p.n,
                                             False)

@@ -2,9 +2,10 @@
 o 576x576, gate_up 3072x576, down 576x1536; random weights, since speed depends on shapes only), per row
 count: one pass over every layer, ms (best of --reps), each W8A8 kernel as the whole product (x quantized per
 row, the int32 sums scaled to bf16), and GOP/s. The measured choice (models/w8a8.choose_kernels) picks among
-these per row bucket at quantize time; this prints what it picks from.
+these per row bucket at quantize time; this prints what it picks from. "own gN": the own kernel with scales
+per group of N columns along K (w8a8.GROUP is the default's; torch's int8 GEMMs take one group only).
 
-    python scripts/bench_w8a8_kernels.py [--rows 1,16,64,256,2048] [--reps 3] [--layers 30]
+    python scripts/bench_w8a8_kernels.py [--rows 1,16,64,256,2048] [--reps 3] [--layers 30] [--groups 64,32]
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from batchrun.kernels import cpu_gemm
 from batchrun.models.cpu_info import machine_kind
-from batchrun.models.w8a8 import W8A8Weight, _candidates, quantize_w8
+from batchrun.models.w8a8 import GROUP, W8A8Weight, _candidates, quantize_w8
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64,256,2048")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--groups", default=f"{GROUP},32", help="the own kernel's group sizes to time too")
     a = ap.parse_args()
     torch.manual_seed(0)
     layers = [[torch.randn(n, k) * 0.05 for n, k in SHAPES] for _ in range(a.layers)]
@@ -37,8 +39,13 @@ def main() -> None:
     quant = [[W8A8Weight(*quantize_w8(w)) for w in ws] for ws in layers]
     for k in _candidates()[:-1]:                      # "float" is the reference, not a contender
         forms[f"w8a8 {k}"] = lambda x, i, j, k=k: quant[i][j].run(x, k)
+    groups = [int(g) for g in a.groups.split(",") if g] if "own" in _candidates(True) else []
+    for g in groups:
+        qg = [[W8A8Weight(*quantize_w8(w, g)) for w in ws] for ws in layers]
+        forms[f"w8a8 own g{g}"] = lambda x, i, j, qg=qg: qg[i][j].run(x, "own")
     print(f"machine: {machine_kind()}; threads {torch.get_num_threads()}; {a.layers} layers")
-    print(f"{'rows':>6}" + "".join(f"{f:>22}" for f in forms) + "   best int8 / best bf16")
+    print(f"{'rows':>6}" + "".join(f"{f:>22}" for f in forms) + "   best one-group int8 / best bf16"
+          + "".join(f", g{g}" for g in groups))
     for m in (int(r) for r in a.rows.split(",")):
         xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for _, k in SHAPES}
         best = dict.fromkeys(forms, float("inf"))
@@ -52,9 +59,9 @@ def main() -> None:
                     best[f] = min(best[f], time.perf_counter() - t0)
         ops = 2 * m * a.layers * sum(n * k for n, k in SHAPES)
         bf = min(t for f, t in best.items() if f.startswith("bf16"))
-        i8 = min(t for f, t in best.items() if f.startswith("w8a8"))
+        i8 = min(t for f, t in best.items() if f.startswith("w8a8") and " g" not in f)
         print(f"{m:>6}" + "".join(f"{t * 1e3:>11.2f} ({ops / t / 1e9:>5.0f}/s)" for t in best.values())
-              + f"   {bf / i8:.2f}x")
+              + f"   {bf / i8:.2f}x" + "".join(f", {bf / best[f'w8a8 own g{g}']:.2f}x" for g in groups))
 
 
 if __name__ == "__main__":

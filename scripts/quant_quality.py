@@ -90,16 +90,21 @@ def calibration_file(skip_docs: int, rows: int = 64) -> str:
 
 
 def alternated_speed(path: str, rounds: int = 4) -> None:
-    """bf16 vs w8a8 on one model, both engines loaded, their runs alternated (a shared host's noise hits
-    both): best-of-rounds prefill tok/s, B=64 and B=1 decode tok/s, and the ratios."""
+    """bf16 vs w8a8 (its default groups, and one group: per-row scales) on one model, the engines loaded
+    together, their runs alternated (a shared host's noise hits all): best-of-rounds prefill tok/s, B=64 and
+    B=1 decode tok/s, and the ratios."""
     import gc
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_quant import decode_tps
     from batchrun import LLM
+    from batchrun.models import w8a8
     common = dict(max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False, dtype="bfloat16")
     calib = calibration_file(skip_docs=400)
     llms = {"bf16": LLM(path, **common),
             "w8a8": LLM(path, quantization="w8a8", quantization_calibration=calib, **common)}
+    default, w8a8.GROUP = w8a8.GROUP, 0
+    llms["w8a8 one group"] = LLM(path, quantization="w8a8", quantization_calibration=calib, **common)
+    w8a8.GROUP = default
     vocab = llms["bf16"].engine.runner.model.embed_tokens.num_embeddings
     best = {k: [0.0, 0.0, 0.0] for k in llms}
     for _ in range(rounds):
@@ -108,7 +113,7 @@ def alternated_speed(path: str, rounds: int = 4) -> None:
             best[k][1] = max(best[k][1], decode_tps(llm, 64, 32, vocab))
             best[k][2] = max(best[k][2], decode_tps(llm, 1, 32, vocab))
     for k, (p, d, d1) in best.items():
-        print(f"{k:<6} prefill {p:8.1f} tok/s ({p / best['bf16'][0]:.2f}x)   decode B=64 {d:8.1f} tok/s "
+        print(f"{k:<14} prefill {p:8.1f} tok/s ({p / best['bf16'][0]:.2f}x)   decode B=64 {d:8.1f} tok/s "
               f"({d / best['bf16'][1]:.2f}x)   B=1 {d1:7.1f} tok/s ({d1 / best['bf16'][2]:.2f}x)")
     print("w8a8 kernels:", llms["w8a8"].engine.memory_ledger["calibration"]["w8a8_kernels"])
     del llms

@@ -4,31 +4,47 @@ with the float32 model.
 
 Bounds: the int32 sum of int8 products is exact in every kernel (and in float32 while |sum| < 2^24, so the
 "float" fallback too); then two float32 multiplications (the weight's scale, the row's), each rounding by at
-most 2^-24 relative; oneDNN may fold the scales first: a third rounding. So |y - ref| <= 4 * 2^-24 * |ref|."""
+most 2^-24 relative; oneDNN may fold the scales first: a third rounding. So |y - ref| <= 4 * 2^-24 * |ref|.
+With G groups along K each group's term rounds so, and the G - 1 additions each by 2^-24 of the partial sum:
+|y - ref| <= (G + 3) * 2^-24 * sum_g |term_g|."""
 import pytest
 import torch
 
 from batchrun.models.calibration import _CausalBackend, collect_stats
 from batchrun.models.smoothquant import check_w8a8, smooth_model
-from batchrun.models.w8a8 import BUCKETS, W8A8Weight, _candidates, choose_kernels, quantize_rows, quantize_w8
+from batchrun.models.w8a8 import (BUCKETS, W8A8Weight, _candidates, choose_kernels, group_for, quantize_rows,
+                                  quantize_w8)
 
 KERNELS = _candidates()
+GROUPED_KERNELS = _candidates(grouped=True)
+
+
+def terms64(qx, sx, w: W8A8Weight) -> torch.Tensor:
+    """[G, M, N] float64: each group's sx * scale * (its codes' integer product)."""
+    g, sw = w.group, w.scales.double().reshape(w.shape[0], -1)
+    return torch.stack([(qx[:, k:k + g].double() @ w.qt[k:k + g].double()) * sw[:, i] * sx[:, i:i + 1].double()
+                        for i, k in enumerate(range(0, w.shape[1], g))])
 
 
 def ref64(qx, sx, w: W8A8Weight):
-    return (qx.double() @ w.qt.double()) * w.scales.double() * sx.double()
+    return terms64(qx, sx, w).sum(0)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
-@pytest.mark.parametrize("shape", [(96, 160), (40, 24), (576, 1536)])
-def test_int8_product_equals_float64_reference(kernel, rows, shape):
+@pytest.mark.parametrize("shape,group", [((96, 160), None), ((96, 160), 32), ((40, 24), None), ((576, 1536), None),
+                                         ((576, 1536), 32)])
+def test_int8_product_equals_float64_reference(group, rows, shape):
+    """Every candidate kernel, per row (one group) and with groups of 32 columns along K."""
     torch.manual_seed(rows)
-    w = W8A8Weight(*quantize_w8(torch.randn(*shape) * torch.rand(shape[0], 1)))
-    qx, sx = quantize_rows(torch.randn(rows, shape[1]) * 5)
-    y, ref = w.product(qx, sx, kernel), ref64(qx, sx, w)
-    assert y.dtype == torch.float32 and y.shape == (rows, shape[0])
-    assert ((y.double() - ref).abs() <= 4 * 2 ** -24 * ref.abs()).all()
+    w = W8A8Weight(*quantize_w8(torch.randn(*shape) * torch.rand(shape[0], 1), group))
+    assert w.grouped == bool(group)
+    qx, sx = quantize_rows(torch.randn(rows, shape[1]) * 5, None, group)
+    terms = terms64(qx, sx, w)
+    ref, bound = terms.sum(0), (terms.shape[0] + 3) * 2 ** -24 * terms.abs().sum(0)
+    for kernel in GROUPED_KERNELS if group else KERNELS:
+        y = w.product(qx, sx, kernel)
+        assert y.dtype == torch.float32 and y.shape == (rows, shape[0])
+        assert ((y.double() - ref).abs() <= bound).all(), kernel
 
 
 def test_quantizers_are_within_half_a_step():
@@ -41,6 +57,16 @@ def test_quantizers_are_within_half_a_step():
     assert sx[3] > 0 and (qx[3] == 0).all()
     q, s = quantize_w8(x)
     assert ((q.float() * s[:, None] - x).abs() <= s[:, None] / 2 * (1 + 1e-6)).all()
+    xg = x[:, :64]                                  # groups of 16: a scale per row and group, each its own max
+    qx, sx = quantize_rows(xg, None, 16)
+    assert sx.shape == (33, 4) and torch.equal(qx.view(33, 4, 16).abs().amax(-1) == 127, xg.view(33, 4, 16).abs()
+                                                .amax(-1) > 0)
+    assert ((qx.float().view(33, 4, 16) * sx[..., None] - xg.view(33, 4, 16)).abs() <= sx[..., None] / 2 * 1.000001).all()
+    q, s = quantize_w8(xg, 16)
+    assert s.shape == (33, 4)
+    assert ((q.float().view(33, 4, 16) * s[..., None] - xg.view(33, 4, 16)).abs() <= s[..., None] / 2 * 1.000001).all()
+    torch.testing.assert_close(W8A8Weight(q, s).dequantize(), (q.float().view(33, 4, 16) * s[..., None]).view(33, 64))
+    assert [group_for(k) for k in (576, 1536, 64, 24, 100)] == [64, 64, 64, 24, 100]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -57,10 +83,16 @@ def test_linear_with_runtime_smoothing_is_the_quantised_math(dtype):
     torch.testing.assert_close(out.float(), expect.float(), rtol=2 ** -7, atol=2 ** -7 * expect.abs().max().item())
 
 
-def test_kernel_choice_is_per_bucket_and_runs_the_chosen_kernel():
-    ws = [W8A8Weight(*quantize_w8(torch.randn(64, 96))) for _ in range(3)]
+@pytest.mark.parametrize("group", [None, 32])
+def test_kernel_choice_is_per_bucket_and_runs_the_chosen_kernel(group):
+    ws = [W8A8Weight(*quantize_w8(torch.randn(64, 96), group)) for _ in range(3)]
+    codes = ws[0].qt.clone()
     choice = choose_kernels(ws, budget_s=0.05)
-    assert list(choice) == list(BUCKETS) and set(choice.values()) <= set(KERNELS)
+    # where the own kernel runs every bucket its packed codes are the one copy kept, and give the codes back
+    assert (ws[0]._qt is None) == (set(choice.values()) == {"own"}) and torch.equal(ws[0].qt, codes)
+    choose_kernels(ws, budget_s=0.05)                 # a second choice starts from the same codes
+    assert torch.equal(ws[0].qt, codes)
+    assert list(choice) == list(BUCKETS) and set(choice.values()) <= set(GROUPED_KERNELS if group else KERNELS)
     assert all(ws[0].kernel_for(b) == choice[b] for b in BUCKETS)
     assert ws[0].kernel_for(5000) == choice[BUCKETS[-1]]
     assert all((w._onednn is not None) == ("onednn" in choice.values()) for w in ws)   # counted in nbytes
@@ -164,8 +196,10 @@ def test_w8a8_bad_settings_are_one_line_errors(hf_models, tmp_path, monkeypatch)
 
 def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch):
     """models/quant.weight_bytes_after (what `validate` prints) against the loaded engine's tensors: the
-    parameters left (embedding, norms) plus each W8A8Weight's codes, scales and 1/s (a oneDNN- or own-packed
-    copy, kept only where this machine's timing chose it, cannot be predicted and is left out of both)."""
+    parameters left (embedding, norms) plus each W8A8Weight's codes, scales and 1/s (a oneDNN-packed copy, and
+    the own kernel's offsets and padded scales, kept only where this machine's timing chose it, cannot be
+    predicted and are left out of both; where the own kernel runs every bucket its packed codes are the one
+    copy kept, and they count as the codes)."""
     from batchrun.models.loader import inspect_model
     from batchrun.models.quant import weight_bytes_after
     monkeypatch.setenv("BATCHRUN_CALIBRATION_CACHE", "0")
@@ -176,7 +210,10 @@ def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch)
         for m in model.modules():
             w = getattr(m, "weight", None)
             if isinstance(w, W8A8Weight):
-                copies = [w._onednn] + list(w._own[:3] if w._own is not None else [])
+                own = w._own
+                copies = [w._onednn] + ([own.offset, own.scales] if own is not None else [])
+                if w._qt is not None and own is not None:     # both copies of the codes kept: count one
+                    copies.append(own.wp)
                 real += sum(t.numel() * t.element_size() for t in w.tensors() if all(t is not c for c in copies))
         assert weight_bytes_after(inspect_model(path), "w8a8", 128, False, torch.float32)[0] == real
 
@@ -200,17 +237,45 @@ def test_own_kernel_equals_the_int_mm_path_bit_for_bit(dtype, smooth, rows, shap
     assert (w._own is not None) == (k % 4 == 0)            # K=22 does not fit the layout: torch's kernel ran
 
 
+@pytest.mark.skipif("own" not in GROUPED_KERNELS, reason="the own W8A8 kernel needs AVX-512 VNNI")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("smooth", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 7, 64, 301])
+@pytest.mark.parametrize("shape,group", [((40, 64), 16), ((576, 1536), 64), ((96, 192), 64)])
+def test_own_kernel_with_groups_is_the_grouped_math(dtype, smooth, rows, shape, group):
+    """With groups, the op's codes and scales are quantize_rows' bit for bit (an all-zero row included), and
+    its product is the float64 reference of those codes within the bound (then rounded once to bf16)."""
+    torch.manual_seed(rows)
+    n, k = shape
+    inv = 1 / (torch.rand(k) + 0.5) if smooth else None
+    w = W8A8Weight(*quantize_w8(torch.randn(n, k) * torch.rand(n, 1), group), inv_smooth=inv)
+    x = (torch.randn(rows, k) * torch.rand(rows, 1) * 7).to(dtype)
+    x[rows // 2] = 0
+    u8, sx = torch.ops.batchrun_cpu.w8a8_quantize(x, torch.empty(0) if inv is None else inv, group)
+    qx, sx_ref = quantize_rows(x, inv, group)
+    assert torch.equal(u8.to(torch.int16) - 128, qx.to(torch.int16)) and torch.equal(sx, sx_ref)
+    terms = terms64(qx, sx_ref, w)
+    ref, bound = terms.sum(0), (terms.shape[0] + 3) * 2 ** -24 * terms.abs().sum(0)
+    own = w.run(x, "own")
+    assert own.dtype == dtype and w._own is not None
+    rounding = 2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0
+    assert ((own.double() - ref).abs() <= bound + rounding).all()
+
+
+@pytest.mark.parametrize("group", [64, 32])
 @pytest.mark.parametrize("kernel", ["own", "int_mm"])
-def test_whole_layer_op_runs_w8a8_as_the_per_op_path(hf_models, monkeypatch, kernel):
+def test_whole_layer_op_runs_w8a8_as_the_per_op_path(hf_models, monkeypatch, kernel, group):
     """The one-call decoder layer takes the own kernel's packed int8 projections (the SmoothQuant division of
     o/down included) and gives the per-op path's greedy tokens; where another kernel was measured fastest the
-    step runs the per-op path."""
+    step runs the per-op path. Groups of 64 (the default) leave the tiny model's 64-wide inputs one group, so
+    a layer mixes both forms; 32 groups every projection."""
     from batchrun import SamplingParams
     from batchrun.kernels import cpu_decoder_layer, cpu_w8a8
     if not cpu_w8a8.supported():
         pytest.skip("no AVX-512 VNNI here: the op takes no int8 projection (models/cpu_fused._op_form)")
     import batchrun.models.w8a8 as w8a8
-    monkeypatch.setattr(w8a8, "_candidates", lambda: [kernel])        # forces the measured choice
+    monkeypatch.setattr(w8a8, "_candidates", lambda grouped=False: [kernel])        # forces the measured choice
+    monkeypatch.setattr(w8a8, "GROUP", group)
     monkeypatch.setenv("BATCHRUN_CALIBRATION_CACHE", "0")
     calls = []
     real = cpu_decoder_layer.decoder_layer
@@ -237,7 +302,10 @@ w = W8A8Weight(q, torch.ones(q.shape[0]))
 ref = x.double() @ q.double().T
 for k in _candidates():
     assert torch.equal(w.product(x, torch.ones(4, 1), k).double(), ref), k
-print(" ".join(_candidates()))
+wg = W8A8Weight(q, torch.ones(q.shape[0], 4))            # four groups of 16, unit scales: the same sums
+for k in _candidates(grouped=True):
+    assert torch.equal(wg.product(x, torch.ones(4, 4), k).double(), ref), k
+print(" ".join(_candidates()), "|", " ".join(_candidates(grouped=True)))
 """
 
 

@@ -44,8 +44,9 @@ class EngineConfig:
         weights kept quantized); activations stay in `dtype`. torch's kernels on CPU, Triton's on CUDA.
     quantization_group_size: int4 group along the input dim: 32, 64 or 128 (it must divide every layer).
     quantize_lm_head: quantize the logits weight too (a tied model keeps its embedding for lookups).
-        quantization "w8a8": int8 weights per output channel and int8 activations per token, an int32 product
-        (models/w8a8.py), channels balanced by SmoothQuant (models/smoothquant.py) from a calibration pass.
+        quantization "w8a8": int8 weights (per output channel) and int8 activations (per token, dynamic), each
+        with a scale per group of 64 columns along K, int32 products (models/w8a8.py), channels balanced by
+        SmoothQuant (models/smoothquant.py) from a calibration pass.
     quantization_calibration: the rows of that pass (models/calibration.py), which also sets an fp8 KV cache's
         per-layer k_scale / v_scale: a row count (None: 256 for w8a8; for fp8 KV alone, no pass: scales 1.0)
         taken from the job's prompts (an engine given none: the stdlib docstrings), or a file's path

@@ -112,7 +112,7 @@ def _form_for(w, rows: int) -> Optional[tuple]:
         if w.kernel_for(rows) != "own":
             return None
         p = w.own_packed()
-        return p.wp, (p.colsum, p.scales, _NONE if w.inv_smooth is None else w.inv_smooth)
+        return p.wp, (p.offset, p.scales, _NONE if w.inv_smooth is None else w.inv_smooth)
     return w, (_NONE,) * 3
 
 

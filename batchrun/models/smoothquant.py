@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from batchrun.models.w8a8 import W8A8Weight, choose_kernels, quantize_w8
+from batchrun.models.w8a8 import W8A8Weight, choose_kernels, group_for, quantize_w8
 
 DEFAULT_ALPHA = 0.5
 UNFOLDED = "runtime"        # o_proj / down_proj: "runtime" (x / s in the product) or "none"
@@ -91,7 +91,7 @@ def apply_w8a8(model: nn.Module, stats: dict, alpha: Optional[float] = None, unf
     weights, total = [], 0
     for name, (w, inv) in smoothed.items():
         mod = model.get_submodule(name)
-        q, scale = quantize_w8(w)
+        q, scale = quantize_w8(w, group_for(w.shape[1]))
         qw = W8A8Weight(q, scale, inv, use_kernel)
         del mod._parameters["weight"]
         mod.weight = qw

@@ -1,23 +1,26 @@
 """W8A8 linear layers (quantization="w8a8"): int8 weights and int8 activations, an int32 product.
 
-Weights: per output channel, symmetric (w = q * scale, q in [-127, 127]). Activations: per token (row), dynamic,
-symmetric: x = qx * sx with sx = max|x_row| / 127. So y[m, n] = sx[m] * scale[n] * sum_k qx[m, k] q[n, k]: the
-sum is exact in int32, both scales come out of it. SmoothQuant (models/smoothquant.py) balances the channels
-before the weights are quantized; a projection whose input has no norm to fold the factors into divides x by
-them here (`smooth`), or takes none.
+Symmetric int8 codes in groups of GROUP columns along K (llama.cpp's Q8_0 x Q8_0 form): weights w = q * scale
+per output channel and group, activations (dynamic) x = qx * sx per token and group, sx = max|x| / 127 over
+the group. So y[m, n] = sum_g sx[m, g] * scale[n, g] * sum_{k in g} qx[m, k] q[n, k]: each group's sum is
+exact in int32 and its two scales come out of it. A projection whose K GROUP does not divide takes one group
+(per-row activations, per-channel weights: the form torch's and oneDNN's int8 GEMMs take). Groups are the
+default because on SmolLM2 they keep what per-row scales lose (scripts/bench_quant.py: top-1 vs bf16 and
+perplexity). SmoothQuant (models/smoothquant.py) balances the channels before the weights are quantized; a
+projection whose input has no norm to fold the factors into divides x by them here (`smooth`), or takes none.
 
-The int32 product has more than one implementation in torch; which one runs for a row count is measured at
+The int32 product has more than one implementation; which one runs for a row count is measured at
 quantize time on the model's own shapes (choose_kernels: one kernel per row-count bucket, kernel_choice()
 says which for the log and the ledger):
 - "own": batchrun's AVX-512 VNNI kernel (kernels/cpu_w8a8.py): the activations quantized and the product's
   scales applied in one pass each, bit for bit the int_mm path's result.
-- "int_mm": torch._int_mm(qx, q.T) with q.T stored K-major (contiguous [K, N]), ~4x faster on CPU than the
+- "int_mm" (one group only): torch._int_mm(qx, q.T) with q.T stored K-major (contiguous [K, N]), ~4x faster on CPU than the
   transposed view of [N, K] (oneDNN s8s8s32 under the hood where it has it).
-- "onednn": torch.ops.onednn.qlinear_pointwise on a qlinear_prepack'ed weight, activations shifted to uint8
+- "onednn" (one group only): torch.ops.onednn.qlinear_pointwise on a qlinear_prepack'ed weight, activations shifted to uint8
   with zero point 128 (oneDNN's u8s8 form: VNNI/AMX-INT8; its s8 activations take a reference path ~200x slower).
 - "float": the reference and the fallback that runs anywhere: the same integer math as float32 matmuls
-  (exact while a row's sum stays under 2^24, i.e. always but at the extremes), and what runs under
-  BATCHRUN_QUANT_KERNELS=0.
+  (exact while a row's sum stays under 2^24, i.e. always but at the extremes; a matmul per group), and what
+  runs under BATCHRUN_QUANT_KERNELS=0.
 """
 from __future__ import annotations
 
@@ -34,45 +37,75 @@ KERNELS = ("own", "int_mm", "onednn", "float")
 # row-count buckets: a product of m rows uses the kernel chosen for the first bucket >= m (the last beyond)
 BUCKETS = (1, 16, 64, 256, 2048)
 MEASURE_MAX_ROWS = 512        # the 2048 bucket is timed at this many rows: the cost per row is flat by then
+GROUP = 64                    # columns per scale along K, where it divides K (group_for)
 
 
-def quantize_rows(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None):
-    """x [M, K] (any float dtype) -> (qx int8 [M, K], sx float32 [M, 1]) with x ~ qx * sx, per row symmetric;
-    with inv_smooth [K], of x * inv_smooth (SmoothQuant's run-time division)."""
+def group_for(k: int) -> int:
+    """The group a projection of input size k takes: GROUP where it divides k, else k (one group)."""
+    return GROUP if GROUP and k % GROUP == 0 else k
+
+
+def quantize_rows(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None, group: Optional[int] = None):
+    """x [M, K] (any float dtype) -> (qx int8 [M, K], sx float32 [M, K / group]) with x ~ qx * sx, symmetric
+    per row and group of `group` columns (None: the whole row); with inv_smooth [K], of x * inv_smooth
+    (SmoothQuant's run-time division)."""
     x = x.to(torch.float32, copy=True) if inv_smooth is None else torch.mul(x, inv_smooth)   # ours to reuse
-    lo, hi = torch.aminmax(x, dim=-1, keepdim=True)                          # one pass, no |x| temporary
+    m, k = x.shape
+    xg = x.view(m, k // (group or k), group or k)
+    lo, hi = torch.aminmax(xg, dim=-1, keepdim=True)                         # one pass, no |x| temporary
     sx = torch.maximum(-lo, hi).div_(127).clamp_(min=1e-30)   # an all-zero row: codes 0 (few ops: decode)
-    return x.div_(sx).round_().to(torch.int8), sx       # |x / sx| <= 127 (+ an ulp): no clamp needed
+    return xg.div_(sx).round_().to(torch.int8).view(m, k), sx.view(m, -1)   # |x / sx| <= 127 (+ an ulp)
 
 
-def quantize_w8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q int8 [N, K], scale float32 [N]): per output channel symmetric, round to nearest."""
+def quantize_w8(w: torch.Tensor, group: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K], scale float32 [N], or [N, K / group] with a group): symmetric per output
+    channel (and group of `group` columns), round to nearest."""
     w = w.float()
-    scale = w.abs().amax(dim=1) / 127
+    n, k = w.shape
+    wg = w.view(n, k // (group or k), group or k)
+    scale = wg.abs().amax(dim=2, keepdim=True) / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+    q = torch.round(wg / scale).clamp_(-127, 127).to(torch.int8).view(n, k)
+    return q, (scale.view(n) if group in (None, k) else scale.view(n, -1))
 
 
 class W8A8Weight(QuantizedWeight):
-    """qt int8 [K, N] (the codes K-major), scales float32 [N], optional inv_smooth float32 [K] (x is multiplied
-    by it before its quantization); linear(x, b) = x @ w.T + b in x's dtype, through the measured kernel."""
+    """qt int8 [K, N] (the codes K-major), scales float32 [N] (one group) or [N, G] (G groups along K),
+    optional inv_smooth float32 [K] (x is multiplied by it before its quantization); linear(x, b) = x @ w.T + b
+    in x's dtype, through the measured kernel."""
 
     kind = "w8a8"
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None,
                  use_kernel: bool = True):
         super().__init__(use_kernel)
-        self.qt = q.t().contiguous()
+        self._qt = q.t().contiguous()
         self.scales = scales.float().contiguous()
         self.inv_smooth = None if inv_smooth is None else inv_smooth.float().contiguous()
         self.shape = tuple(q.shape)
+        self.group = q.shape[1] // (scales.shape[1] if scales.dim() == 2 else 1)   # columns per group
         self.per_bucket = ("float",) * len(BUCKETS)      # the reference; choose_kernels measures the others
         self._onednn = None                                # qlinear_prepack'ed codes, when a bucket uses them
         self._own = None                                   # cpu_w8a8.pack'ed codes, likewise
 
+    @property
+    def qt(self) -> torch.Tensor:
+        """The codes int8 [K, N]; rebuilt from the own kernel's packed copy where only that one is kept."""
+        if self._qt is not None:
+            return self._qt
+        wp = self._own.wp                                              # [blocks, K/4, 16, 4]
+        return wp.permute(0, 2, 1, 3).reshape(-1, self.shape[1])[: self.shape[0]].t().contiguous()
+
+    def keep_one_copy(self) -> None:
+        """Once the own kernel runs every bucket, its packed codes are the only copy kept (halves the bytes)."""
+        if self.per_bucket == ("own",) * len(BUCKETS) and self.shape[1] % 4 == 0:
+            self.own_packed()
+            self._qt = None
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the product applies to the original x: q * scale, times inv_smooth along K."""
-        w = self.qt.t().float() * self.scales[:, None]
+        n, k = self.shape
+        w = (self.qt.t().float().view(n, -1, self.group) * self.scales.view(n, -1, 1)).view(n, k)
         return (w if self.inv_smooth is None else w * self.inv_smooth).to(dtype)
 
     def kernel_for(self, rows: int) -> str:
@@ -80,10 +113,17 @@ class W8A8Weight(QuantizedWeight):
             return "float"
         return self.per_bucket[next((i for i, b in enumerate(BUCKETS) if rows <= b), len(BUCKETS) - 1)]
 
+    @property
+    def grouped(self) -> bool:
+        return self.group < self.shape[1]
+
     def product(self, qx: torch.Tensor, sx: torch.Tensor, kernel: str) -> torch.Tensor:
-        """qx int8 [M, K], sx [M, 1] -> float32 [M, N] = sx * scales * (qx @ q.T) by `kernel`."""
+        """qx int8 [M, K], sx [M, G] -> float32 [M, N] = sum over groups of sx * scales * (qx @ q.T) by
+        `kernel`."""
         if kernel == "own" and self.shape[1] % 4 == 0:
             return cpu_w8a8.product(qx, sx, self.own_packed())
+        if self.grouped:                     # torch's int8 GEMMs take one scale per row and output
+            return self._grouped_float(qx, sx)
         if kernel == "own":                  # its layout takes K in fours: torch's kernel for this one
             kernel = "int_mm"
         if kernel == "int_mm":
@@ -99,6 +139,14 @@ class W8A8Weight(QuantizedWeight):
             acc = qx.float() @ self.qt.float()
         return (acc * self.scales).mul_(sx)
 
+    def _grouped_float(self, qx: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
+        """The grouped product as float32 matmuls, a group at a time (exact integer sums, then the scales)."""
+        out = torch.zeros(qx.shape[0], self.shape[0])
+        for i, k0 in enumerate(range(0, self.shape[1], self.group)):
+            acc = qx[:, k0:k0 + self.group].float() @ self.qt[k0:k0 + self.group].float()
+            out += acc * (sx[:, i:i + 1] * self.scales[:, i])
+        return out
+
     def own_packed(self) -> cpu_w8a8.Packed:
         """The codes in the own kernel's layout (packed once, on first use)."""
         if self._own is None:
@@ -110,7 +158,7 @@ class W8A8Weight(QuantizedWeight):
         if kernel == "own" and x2.dtype in (torch.bfloat16, torch.float32) and x2.stride(-1) == 1 \
                 and self.shape[1] % 4 == 0:
             return cpu_w8a8.linear(x2, self.own_packed(), self.inv_smooth)
-        qx, sx = quantize_rows(x2, self.inv_smooth)
+        qx, sx = quantize_rows(x2, self.inv_smooth, self.group)
         return self.product(qx, sx, kernel).to(x2.dtype)
 
     def linear(self, x: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -120,8 +168,9 @@ class W8A8Weight(QuantizedWeight):
 
     def tensors(self) -> list[torch.Tensor]:
         extra = [self.inv_smooth] if self.inv_smooth is not None else []
-        own = [self._own.wp, self._own.colsum, self._own.scales] if self._own is not None else []
-        return [self.qt, self.scales] + extra + ([self._onednn] if self._onednn is not None else []) + own
+        own = [self._own.wp, self._own.offset, self._own.scales] if self._own is not None else []
+        codes = [self._qt] if self._qt is not None else []
+        return codes + [self.scales] + extra + ([self._onednn] if self._onednn is not None else []) + own
 
 
 def _extreme_codes(n: int = 32, k: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,20 +186,21 @@ def _extreme_codes(n: int = 32, k: int = 64) -> tuple[torch.Tensor, torch.Tensor
     return w, x
 
 
-def _candidates() -> list[str]:
+def _candidates(grouped: bool = False) -> list[str]:
     """The kernels that run on this machine and are exact: each tried once on a random product and once on
-    codes at the ends of the range, compared with "float" (exact here: |sums| < 2^24). torch._int_mm on a CPU
-    capped below VNNI (ATEN_CPU_CAPABILITY=avx2 with ONEDNN_MAX_CPU_ISA=AVX2, as the AVX2 kind runs) saturates
-    on the second and so is not one."""
+    codes at the ends of the range, compared with "float" (exact here: |sums| < 2^24, unit scales). torch._int_mm
+    on a CPU capped below VNNI (ATEN_CPU_CAPABILITY=avx2 with ONEDNN_MAX_CPU_ISA=AVX2, as the AVX2 kind runs)
+    saturates on the second and so is not one. With groups (four of 16 here) only the own kernel is tried."""
     q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
     qe, xe = _extreme_codes()
+    g = 4 if grouped else 1
     cases = []
     for codes, qx in ((q, quantize_rows(torch.randn(4, 64))[0]), (qe, xe)):
-        w = W8A8Weight(codes, torch.ones(codes.shape[0]))
-        sx = torch.ones(qx.shape[0], 1)
+        w = W8A8Weight(codes, torch.ones(codes.shape[0], g) if grouped else torch.ones(codes.shape[0]))
+        sx = torch.ones(qx.shape[0], g)
         cases.append((w, qx, sx, w.product(qx, sx, "float")))
     ok = []
-    for k in KERNELS[:-1]:
+    for k in ("own",) if grouped else KERNELS[:-1]:
         try:
             if all(torch.equal(w.product(qx, sx, k), ref) for w, qx, sx, ref in cases):
                 ok.append(k)
@@ -180,14 +230,16 @@ def choose_kernels(weights: list[W8A8Weight], budget_s: float = 0.5,
         return {}
     shapes: dict[tuple, list[W8A8Weight]] = {}
     for w in weights:
-        shapes.setdefault(w.shape, []).append(w)
-    cands = _candidates()
+        shapes.setdefault((w.shape, w.group), []).append(w)
+    for w in weights:                   # the codes back where only the own kernel's copy was kept
+        w._qt = w.qt
+    cands = _candidates(any(w.grouped for w in weights))
     share = budget_s / max(1, len(shapes) * len(BUCKETS) * len(cands))
     chosen = []
     for rows in BUCKETS:
         m = min(rows, MEASURE_MAX_ROWS)
         cost = dict.fromkeys(cands, 0.0)
-        for shape, ws in shapes.items():
+        for (shape, _), ws in shapes.items():
             x = torch.randn(m, shape[1]).to(dtype)      # the whole product: quantizing x included
             for k in cands:
                 cost[k] += len(ws) * _time(lambda: ws[0].run(x, k), share)
@@ -197,6 +249,7 @@ def choose_kernels(weights: list[W8A8Weight], budget_s: float = 0.5,
         w._onednn = w._own = None
         if "own" in chosen:
             w.own_packed()
+            w.keep_one_copy()
         if "onednn" in chosen:          # packed now, so the ledger counts what the products will hold
             w._onednn = torch.ops.onednn.qlinear_prepack(w.qt.t().contiguous(), None)
     return dict(zip(BUCKETS, chosen))

@@ -11,7 +11,7 @@
 //
 // Each projection weight is cpu_gemm.pack()ed ([n/16, K/2, 16, 2] or [n/64, K/2, 4, 16, 2]), oneDNN-packed, or a
 // plain [n, K] tensor: the form models/kernel_choice.py measured fastest for this step's rows; or, with
-// quantization w8a8, int8 cpu_w8a8.pack()ed ([n/16, K/4, 16, 4], n a multiple of 16), whose colsum, scales and
+// quantization w8a8, int8 cpu_w8a8.pack()ed ([n/16, K/4, 16, 4], n a multiple of 16), whose offset, scales and
 // inv_smooth (empty: none) come in w8a8, three per projection in the order qkv, o, gate_up, down. h is the residual stream
 // and becomes the layer's output in place; layer `layer`'s K/V of this step go into kv_caches.
 #include <torch/csrc/stable/library.h>
@@ -93,7 +93,7 @@ int64_t packed_n(const Tensor& wp) { return wp.dim() >= 4 ? wp.size(0) * (wp.dim
 // x [T, K] @ w.T by whichever implementation the weight's form says the engine chose for this step's rows
 // (models/kernel_choice.py): the own kernel's packed layouts, oneDNN's packed layout (mkldnn
 // _linear_pointwise: AMX where the CPU has it), or a plain [n, K] weight through torch's F.linear.
-// An int8 weight is W8A8's: its colsum, scales and inv_smooth are w8a8[3 i .. 3 i + 2] for projection i.
+// An int8 weight is W8A8's: its offset, scales and inv_smooth are w8a8[3 i .. 3 i + 2] for projection i.
 Tensor project(const Tensor& x, const Tensor& w, int64_t n, const std::vector<Tensor>& w8a8, int i) {
   if (w.scalar_type() == ScalarType::Char) {
     STD_TORCH_CHECK(w8a8.size() == 12, "decoder_layer: an int8 projection needs w8a8's 12 tensors, got ",

@@ -1,16 +1,24 @@
 // W8A8 products on x86-64 CPUs with AVX-512 VNNI (batchrun.kernels.cpu_w8a8; models/w8a8.py's "own" kernel).
 //
-// batchrun_cpu::w8a8_quantize(x [M, K] bf16/f32, inv_smooth [K] f32 or empty) -> (u8 [M, K] uint8, sx [M] f32)
-//   per row: v = x * inv_smooth, sx = max|v| / 127 (at least 1e-30), code round(v / sx) stored + 128 as uint8:
-//   models/w8a8.py quantize_rows' arithmetic in the same order (float division, ties to even), so the codes
-//   are its codes + 128.
-// batchrun_cpu::w8a8_gemm(u8 [M, K], sx [M], wp [blocks, K/4, 16, 4] int8, colsum [blocks*16] int32,
-//                         scales [blocks*16] f32, n, bf16_out) -> [M, n] (bf16 or f32)
-//   y[m, j] = (float(sum_k (u8[m, k] - 128) w[j, k]) * scales[j]) * sx[m], as the int_mm path computes it: one
-//   VPDPBUSD multiplies 4 unsigned activation bytes by 4 signed weight bytes for 16 outputs and adds into 16
-//   int32 sums; the shift by 128 comes off as 128 * colsum[j] (colsum[j] = sum_k w[j, k]). So the result equals
-//   torch._int_mm's path bit for bit (float32, and its rounding to bfloat16). A tile of MR rows x NB blocks
-//   keeps its sums in registers; threads take (block group, row chunk) items as the bf16 kernel does.
+// batchrun_cpu::w8a8_quantize(x [M, K] bf16/f32, inv_smooth [K] f32 or empty, group) -> (u8 [M, K] uint8,
+//                            sx [M, K / group] f32)
+//   per group of `group` columns of a row (0 or K: the whole row): v = x * inv_smooth, sx = max|v| / 127 (at
+//   least 1e-30), code round(v / sx) stored + 128 as uint8: models/w8a8.py quantize_rows' arithmetic in the
+//   same order (float division, ties to even), so the codes are its codes + 128.
+// batchrun_cpu::w8a8_gemm(u8 [M, K], sx [M, G], wp [blocks, K/4, 16, 4] int8, offset [G, blocks*16] int32,
+//                         scales [G, blocks*16] f32, n, bf16_out) -> [M, n] (bf16 or f32), G groups along K
+//   One group (per-row activations, per-channel weights): y[m, j] = (float(sum_k (u8[m, k] - 128) w[j, k]) *
+//   scales[j]) * sx[m], as the int_mm path computes it: one VPDPBUSD multiplies 4 unsigned activation bytes by
+//   4 signed weight bytes for 16 outputs and adds into 16 int32 sums, which start at offset[j] = -128 *
+//   sum_k w[j, k]: that takes the shift by 128 off. So the result equals torch._int_mm's path bit for bit (float32,
+//   and its rounding to bfloat16). G groups (llama.cpp's Q8_0 x Q8_0 form): each group's int32 sums, started
+//   at that group's offset, fold into float32 ones as y += float(sum_g) * (scales[g, j] *
+//   sx[m, g]), g in order (one FMA each: models/w8a8.py's float path rounds the product and the sum apart).
+//   A tile of R rows x NB blocks keeps its sums in registers (MR rows; MRG with G > 1, whose float sums take
+//   registers too); threads take (block group, row chunk) items as the bf16 kernel does. The grouped form
+//   costs about 28% of the one-group kernel's rate on Zen 5 (the fold is 3 FP ops per 16 VPDPBUSD, on the
+//   same pipes); a 6-row tile with its float sums in L1 instead ran 10% faster at 64 rows but fell to ~60%
+//   of the one-group rate from 1,024 rows up, and lost end to end (prefill 1.01x bf16 against 1.18x).
 // Both ops refuse to run without AVX-512 VNNI (w8a8_supported() says): models/w8a8.py then keeps torch's kernels.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -35,6 +43,7 @@ using torch::headeronly::ScalarType;
 
 constexpr int NB = 4;   // blocks of 16 outputs per tile
 constexpr int MR = 6;   // rows per tile: 24 int32 accumulators + 4 weight vectors + 1 broadcast
+constexpr int MRG = 3;  // with groups: 12 int32 + 12 float32 accumulators + 4 weight vectors + 1 broadcast
 
 bool detect() {
 #ifdef BR_VNNI_X86
@@ -60,32 +69,35 @@ BR_VNNI_TARGET inline __m512 load16(const void* p, bool bf16, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// rows [r0, r1) of x into codes + 128 and their scales
-BR_VNNI_TARGET void quantize_rows(const void* x, int64_t xs, bool bf16, const float* inv, int64_t K, uint8_t* u8,
-                                  float* sx, int64_t r0, int64_t r1) {
-  const int64_t esz = bf16 ? 2 : 4;
+// columns [c0, c0 + G) of rows [r0, r1) of x into codes + 128 and their scales sx[r * ng + c0 / G]
+BR_VNNI_TARGET void quantize_rows(const void* x, int64_t xs, bool bf16, const float* inv, int64_t K, int64_t G,
+                                  uint8_t* u8, float* sx, int64_t r0, int64_t r1) {
+  const int64_t esz = bf16 ? 2 : 4, ng = K / G;
   for (int64_t r = r0; r < r1; ++r) {
     const char* row = static_cast<const char*>(x) + r * xs * esz;
-    __m512 lo = _mm512_set1_ps(__builtin_inff()), hi = _mm512_set1_ps(-__builtin_inff());
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 m = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-      __m512 v = load16(row + k * esz, bf16, m);
-      if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
-      lo = _mm512_mask_min_ps(lo, m, lo, v);
-      hi = _mm512_mask_max_ps(hi, m, hi, v);
-    }
-    float s = std::max(-_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi)) / 127.0f;
-    s = std::max(s, 1e-30f);
-    sx[r] = s;
-    const __m512 sv = _mm512_set1_ps(s);
-    const __m512i shift = _mm512_set1_epi32(128);
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 m = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-      __m512 v = load16(row + k * esz, bf16, m);
-      if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
-      const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(q), shift);
-      _mm_mask_storeu_epi8(u8 + r * K + k, m, _mm512_cvtepi32_epi8(c));
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t c0 = g * G, c1 = c0 + G;
+      __m512 lo = _mm512_set1_ps(__builtin_inff()), hi = _mm512_set1_ps(-__builtin_inff());
+      for (int64_t k = c0; k < c1; k += 16) {
+        const __mmask16 m = c1 - k >= 16 ? 0xFFFF : (__mmask16)((1u << (c1 - k)) - 1);
+        __m512 v = load16(row + k * esz, bf16, m);
+        if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
+        lo = _mm512_mask_min_ps(lo, m, lo, v);
+        hi = _mm512_mask_max_ps(hi, m, hi, v);
+      }
+      float s = std::max(-_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi)) / 127.0f;
+      s = std::max(s, 1e-30f);
+      sx[r * ng + g] = s;
+      const __m512 sv = _mm512_set1_ps(s);
+      const __m512i shift = _mm512_set1_epi32(128);
+      for (int64_t k = c0; k < c1; k += 16) {
+        const __mmask16 m = c1 - k >= 16 ? 0xFFFF : (__mmask16)((1u << (c1 - k)) - 1);
+        __m512 v = load16(row + k * esz, bf16, m);
+        if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
+        const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(q), shift);
+        _mm_mask_storeu_epi8(u8 + r * K + k, m, _mm512_cvtepi32_epi8(c));
+      }
     }
   }
 }
@@ -98,28 +110,22 @@ BR_VNNI_TARGET inline __m256i to_bf16(__m512 f) {  // round to nearest even, as 
 
 struct Gemm {
   const uint8_t* x;
-  int64_t K, KP, M, blocks, n;
+  int64_t K, KP, M, blocks, n, ng;   // ng groups along K (1: per-row activations, per-channel weights)
   const int8_t* wp;
-  const int32_t* colsum;
+  const int32_t* offset;
   const float* sw;
   const float* sx;
   void* out;
   bool bf16;
 };
 
-// rows [m0, m0 + R) x blocks [b0, b0 + B) of the output
-template <int R, int B, bool BF16>
-BR_VNNI_TARGET inline void tile(const uint8_t* __restrict__ x0, int64_t K, const int8_t* __restrict__ w0, int64_t KP,
-                                const int32_t* __restrict__ colsum, const float* __restrict__ sw,
-                                const float* __restrict__ sx, void* __restrict__ out, int64_t n, int64_t col0) {
-  // int32 x 16 sums, fully unrolled below, so these stay in registers. As __m512i (two int64 x 8 views of
-  // the builtin's int32 x 16) GCC 12 also kept each in memory, a store and three moves per VPDPBUSD.
-  __v16si acc[R][B];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) acc[r][b] = (__v16si)_mm512_setzero_si512();
-  for (int64_t p = 0; p < KP; ++p) {
+// acc[r][b] += the products of quads [p0, p1) of rows r with blocks b: one VPDPBUSD per (r, b, quad)
+template <int R, int B>
+BR_VNNI_TARGET __attribute__((always_inline)) inline void accumulate(__v16si (&acc)[R][B],
+                                                                     const uint8_t* __restrict__ x0, int64_t K,
+                                                                     const int8_t* __restrict__ w0, int64_t KP,
+                                                                     int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
     __m512i w[B];
 #pragma GCC unroll 8
     for (int b = 0; b < B; ++b) w[b] = _mm512_loadu_si512(w0 + (b * KP + p) * 64);
@@ -132,6 +138,21 @@ BR_VNNI_TARGET inline void tile(const uint8_t* __restrict__ x0, int64_t K, const
       for (int b = 0; b < B; ++b) acc[r][b] = (__v16si)_mm512_dpbusd_epi32((__m512i)acc[r][b], xv, w[b]);
     }
   }
+}
+
+// rows [m0, m0 + R) x blocks [b0, b0 + B) of the output
+template <int R, int B, bool BF16>
+BR_VNNI_TARGET inline void tile(const uint8_t* __restrict__ x0, int64_t K, const int8_t* __restrict__ w0, int64_t KP,
+                                const int32_t* __restrict__ offset, const float* __restrict__ sw,
+                                const float* __restrict__ sx, void* __restrict__ out, int64_t n, int64_t col0) {
+  // int32 x 16 sums, fully unrolled below, so these stay in registers. As __m512i (two int64 x 8 views of
+  // the builtin's int32 x 16) GCC 12 also kept each in memory, a store and three moves per VPDPBUSD.
+  __v16si acc[R][B];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) acc[r][b] = (__v16si)_mm512_loadu_si512(offset + col0 + b * 16);   // the shift off
+  accumulate<R, B>(acc, x0, K, w0, KP, 0, KP);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const __m512 sr = _mm512_set1_ps(sx[r]);
@@ -139,25 +160,74 @@ BR_VNNI_TARGET inline void tile(const uint8_t* __restrict__ x0, int64_t K, const
     for (int b = 0; b < B; ++b) {
       const int64_t col = col0 + b * 16, left = n - col;
       const __mmask16 m = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-      const __m512i off = _mm512_slli_epi32(_mm512_loadu_si512(colsum + col), 7);
-      const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32((__m512i)acc[r][b], off)),
-                                                   _mm512_loadu_ps(sw + col)), sr);
+      const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)acc[r][b]), _mm512_loadu_ps(sw + col)),
+                                     sr);
       if (BF16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + r * n + col, m, to_bf16(f));
       else _mm512_mask_storeu_ps(static_cast<float*>(out) + r * n + col, m, f);
     }
   }
 }
 
+// the same rows x blocks with ng groups of KP / ng quads along K: sx is [rows, ng] from m0, offset / sw are [ng, NP]
+template <int R, int B, bool BF16>
+BR_VNNI_TARGET inline void tile_grouped(const uint8_t* __restrict__ x0, int64_t K, const int8_t* __restrict__ w0,
+                                        int64_t KP, int64_t ng, int64_t NP, const int32_t* __restrict__ offset,
+                                        const float* __restrict__ sw, const float* __restrict__ sx,
+                                        void* __restrict__ out, int64_t n, int64_t col0) {
+  const int64_t GP = KP / ng;
+  __m512 accf[R][B];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) accf[r][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const int32_t* og = offset + g * NP + col0;
+    __v16si acc[R][B];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) acc[r][b] = (__v16si)_mm512_loadu_si512(og + b * 16);    // the shift off
+    accumulate<R, B>(acc, x0, K, w0, KP, g * GP, (g + 1) * GP);
+    const float* sg = sw + g * NP + col0;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 sr = _mm512_set1_ps(sx[r * ng + g]);
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) {
+        const __m512 f = _mm512_cvtepi32_ps((__m512i)acc[r][b]);
+        accf[r][b] = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_loadu_ps(sg + b * 16), sr), accf[r][b]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) {
+      const int64_t col = col0 + b * 16, left = n - col;
+      const __mmask16 m = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+      const __m512 f = accf[r][b];
+      if (BF16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + r * n + col, m, to_bf16(f));
+      else _mm512_mask_storeu_ps(static_cast<float*>(out) + r * n + col, m, f);
+    }
+}
+
 template <int R, int B>
 BR_VNNI_TARGET inline void tile_of(const Gemm& g, int64_t m0, int64_t b0) {
   const uint8_t* x0 = g.x + m0 * g.K;
   const int8_t* w0 = g.wp + b0 * g.KP * 64;
-  if (g.bf16)
-    tile<R, B, true>(x0, g.K, w0, g.KP, g.colsum, g.sw, g.sx + m0, static_cast<uint16_t*>(g.out) + m0 * g.n, g.n,
-                     b0 * 16);
-  else
-    tile<R, B, false>(x0, g.K, w0, g.KP, g.colsum, g.sw, g.sx + m0, static_cast<float*>(g.out) + m0 * g.n, g.n,
-                      b0 * 16);
+  const float* sx = g.sx + m0 * g.ng;
+  void* out = g.bf16 ? static_cast<void*>(static_cast<uint16_t*>(g.out) + m0 * g.n)
+                     : static_cast<void*>(static_cast<float*>(g.out) + m0 * g.n);
+  if (g.ng > 1) {
+    if constexpr (R <= MRG) {
+      if (g.bf16) tile_grouped<R, B, true>(x0, g.K, w0, g.KP, g.ng, g.blocks * 16, g.offset, g.sw, sx, out, g.n, b0 * 16);
+      else tile_grouped<R, B, false>(x0, g.K, w0, g.KP, g.ng, g.blocks * 16, g.offset, g.sw, sx, out, g.n, b0 * 16);
+    }
+  } else if (g.bf16) {
+    tile<R, B, true>(x0, g.K, w0, g.KP, g.offset, g.sw, sx, out, g.n, b0 * 16);
+  } else {
+    tile<R, B, false>(x0, g.K, w0, g.KP, g.offset, g.sw, sx, out, g.n, b0 * 16);
+  }
 }
 
 template <int R>
@@ -170,10 +240,15 @@ BR_VNNI_TARGET inline void row_tile(const Gemm& g, int64_t m0, int64_t b0, int64
   }
 }
 
+// rows [m0, m1) of block group grp: tiles of MR rows (MRG with groups), then the rest in one
 BR_VNNI_TARGET void run(const Gemm& g, int64_t grp, int64_t m0, int64_t m1) {
   const int64_t b0 = grp * NB, nb = std::min<int64_t>(NB, g.blocks - b0);
   int64_t m = m0;
-  for (; m + MR <= m1; m += MR) row_tile<MR>(g, m, b0, nb);
+  if (g.ng > 1) {
+    for (; m + MRG <= m1; m += MRG) row_tile<MRG>(g, m, b0, nb);
+  } else {
+    for (; m + MR <= m1; m += MR) row_tile<MR>(g, m, b0, nb);
+  }
   switch (m1 - m) {
     case 5: row_tile<5>(g, m, b0, nb); break;
     case 4: row_tile<4>(g, m, b0, nb); break;
@@ -185,23 +260,25 @@ BR_VNNI_TARGET void run(const Gemm& g, int64_t grp, int64_t m0, int64_t m1) {
 }
 #endif
 
-std::tuple<Tensor, Tensor> w8a8_quantize(Tensor x, Tensor inv_smooth) {
+std::tuple<Tensor, Tensor> w8a8_quantize(Tensor x, Tensor inv_smooth, int64_t group) {
   STD_TORCH_CHECK(supported(), "w8a8_quantize: this CPU has no AVX-512 VNNI");
   const ScalarType st = x.scalar_type();
   STD_TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
                       (st == ScalarType::BFloat16 || st == ScalarType::Float),
                   "w8a8_quantize: x must be a bfloat16 or float32 [M, K] CPU tensor with contiguous rows");
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1), G = group > 0 ? group : K;
+  STD_TORCH_CHECK(G == K || (G % 16 == 0 && K % G == 0), "w8a8_quantize: group ", group,
+                  " must be 0, K or a multiple of 16 dividing K=", K);
   const bool smooth = inv_smooth.numel() > 0;
   STD_TORCH_CHECK(!smooth || (inv_smooth.scalar_type() == ScalarType::Float && inv_smooth.is_contiguous() &&
                               inv_smooth.numel() == K),
                   "w8a8_quantize: inv_smooth must be a contiguous float32 [K] tensor (or empty)");
   Tensor u8 = torch::stable::new_empty(x, {M, K}, ScalarType::Byte);
-  Tensor sx = torch::stable::new_empty(x, {M}, ScalarType::Float);
+  Tensor sx = torch::stable::new_empty(x, {M, K / G}, ScalarType::Float);
 #ifdef BR_VNNI_X86
   const float* inv = smooth ? static_cast<const float*>(inv_smooth.data_ptr()) : nullptr;
   auto body = [&](int64_t r0, int64_t r1) {
-    quantize_rows(x.data_ptr(), x.stride(0), st == ScalarType::BFloat16, inv, K,
+    quantize_rows(x.data_ptr(), x.stride(0), st == ScalarType::BFloat16, inv, K, G,
                   static_cast<uint8_t*>(u8.data_ptr()), static_cast<float*>(sx.data_ptr()), r0, r1);
   };
   if (M * K < (1 << 16)) body(0, M);
@@ -210,7 +287,7 @@ std::tuple<Tensor, Tensor> w8a8_quantize(Tensor x, Tensor inv_smooth) {
   return std::make_tuple(u8, sx);
 }
 
-Tensor w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor colsum, Tensor scales, int64_t n, bool bf16_out) {
+Tensor w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor offset, Tensor scales, int64_t n, bool bf16_out) {
   STD_TORCH_CHECK(supported(), "w8a8_gemm: this CPU has no AVX-512 VNNI");
   STD_TORCH_CHECK(u8.is_cpu() && u8.scalar_type() == ScalarType::Byte && u8.dim() == 2 && u8.is_contiguous(),
                   "w8a8_gemm: u8 must be a contiguous uint8 [M, K] CPU tensor");
@@ -221,24 +298,27 @@ Tensor w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor colsum, Tensor scales, 
   STD_TORCH_CHECK(K == 4 * KP, "w8a8_gemm: u8 has K=", K, " but the packed weight ", 4 * KP);
   STD_TORCH_CHECK(n > (blocks - 1) * 16 && n <= blocks * 16, "w8a8_gemm: n=", n, " does not match ", blocks,
                   " blocks of 16");
-  STD_TORCH_CHECK(colsum.scalar_type() == ScalarType::Int && colsum.is_contiguous() && colsum.numel() == blocks * 16 &&
-                      scales.scalar_type() == ScalarType::Float && scales.is_contiguous() &&
-                      scales.numel() == blocks * 16,
-                  "w8a8_gemm: colsum (int32) and scales (float32) must be contiguous [blocks * 16]");
-  STD_TORCH_CHECK(sx.scalar_type() == ScalarType::Float && sx.is_contiguous() && sx.numel() == M,
-                  "w8a8_gemm: sx must be a contiguous float32 [M]");
+  const int64_t ng = scales.numel() / std::max<int64_t>(1, blocks * 16);
+  STD_TORCH_CHECK(ng >= 1 && KP % ng == 0 && offset.scalar_type() == ScalarType::Int && offset.is_contiguous() &&
+                      offset.numel() == ng * blocks * 16 && scales.scalar_type() == ScalarType::Float &&
+                      scales.is_contiguous() && scales.numel() == ng * blocks * 16,
+                  "w8a8_gemm: offset (int32) and scales (float32) must be contiguous [G, blocks * 16], G groups "
+                  "of a multiple of 4 dividing K");
+  STD_TORCH_CHECK(sx.scalar_type() == ScalarType::Float && sx.is_contiguous() && sx.numel() == M * ng,
+                  "w8a8_gemm: sx must be a contiguous float32 [M, G]");
   Tensor out = torch::stable::new_empty(u8, {M, n}, bf16_out ? ScalarType::BFloat16 : ScalarType::Float);
 #ifdef BR_VNNI_X86
   if (M == 0) return out;
-  const Gemm g{static_cast<const uint8_t*>(u8.data_ptr()), K, KP, M, blocks, n,
-               static_cast<const int8_t*>(wp.data_ptr()), static_cast<const int32_t*>(colsum.data_ptr()),
+  const Gemm g{static_cast<const uint8_t*>(u8.data_ptr()), K, KP, M, blocks, n, ng,
+               static_cast<const int8_t*>(wp.data_ptr()), static_cast<const int32_t*>(offset.data_ptr()),
                static_cast<const float*>(scales.data_ptr()), static_cast<const float*>(sx.data_ptr()),
                out.data_ptr(), bf16_out};
   const int64_t groups = (blocks + NB - 1) / NB;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
   int64_t chunks = 1;        // rows are split only where the groups alone cannot balance the threads
-  if (groups < 8 * threads && M >= 4 * MR) chunks = std::min((8 * threads + groups - 1) / groups, M / (2 * MR));
-  const int64_t rows = ((M + chunks - 1) / chunks + MR - 1) / MR * MR;
+  const int64_t mr = ng > 1 ? MRG : MR;
+  if (groups < 8 * threads && M >= 4 * mr) chunks = std::min((8 * threads + groups - 1) / groups, M / (2 * mr));
+  const int64_t rows = ((M + chunks - 1) / chunks + mr - 1) / mr * mr;
   chunks = (M + rows - 1) / rows;
   auto body = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -257,15 +337,16 @@ bool w8a8_supported() { return supported(); }
 }  // namespace
 
 namespace brcpu {  // for ops composed of these (ops.h)
-Tensor w8a8_linear(Tensor x, Tensor inv_smooth, Tensor wp, Tensor colsum, Tensor scales, int64_t n) {
-  auto [u8, sx] = ::w8a8_quantize(x, inv_smooth);
-  return ::w8a8_gemm(u8, sx, wp, colsum, scales, n, x.scalar_type() == ScalarType::BFloat16);
+Tensor w8a8_linear(Tensor x, Tensor inv_smooth, Tensor wp, Tensor offset, Tensor scales, int64_t n) {
+  const int64_t ng = scales.numel() / std::max<int64_t>(1, wp.size(0) * 16);   // groups: scales [G, blocks * 16]
+  auto [u8, sx] = ::w8a8_quantize(x, inv_smooth, x.size(1) / std::max<int64_t>(1, ng));
+  return ::w8a8_gemm(u8, sx, wp, offset, scales, n, x.scalar_type() == ScalarType::BFloat16);
 }
 }  // namespace brcpu
 
 STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
-  m.def("w8a8_quantize(Tensor x, Tensor inv_smooth) -> (Tensor, Tensor)");
-  m.def("w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor colsum, Tensor scales, int n, bool bf16_out) -> Tensor");
+  m.def("w8a8_quantize(Tensor x, Tensor inv_smooth, int group) -> (Tensor, Tensor)");
+  m.def("w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor offset, Tensor scales, int n, bool bf16_out) -> Tensor");
   m.def("w8a8_supported() -> bool");
 }
 
