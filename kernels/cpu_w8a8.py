@@ -4,11 +4,10 @@ library): models/w8a8.py's "own" kernel, timed against torch's (_int_mm, oneDNN 
 pack(q [N, K] int8, scales [N] or [N, G]) -> Packed: the codes as [ceil(N/16), K/4, 16, 4] (K a multiple of 4),
 -128 x their per-output sums per group of K / G columns (the activations are stored shifted to uint8; the
 kernel's int32 sums start at this offset, which takes the shift off) and the scales, both [G, N padded to
-whole blocks]. linear(x, packed,
-inv_smooth) quantizes x per row (G = 1) or per group of each row and multiplies, in one pass each. With one
-group: the same codes, sums and float32 roundings as models/w8a8.py's quantize_rows + torch._int_mm path, so
-equal to it bit for bit; with groups: its codes, and each group's sum folded by one FMA. product() takes that
-path's codes (tests, the candidate check).
+whole blocks]. linear(x, packed, inv_smooth) quantizes x per row (G = 1) or per group of each row and
+multiplies, in one pass each. With one group: the same codes, sums and float32 roundings as models/w8a8.py's
+quantize_rows + torch._int_mm path, so equal to it bit for bit; with groups: its codes, and each group's sum
+folded in by one FMA. product() takes that path's codes (tests, the candidate check).
 """
 from __future__ import annotations
 

@@ -13,11 +13,13 @@ The int32 product has more than one implementation; which one runs for a row cou
 quantize time on the model's own shapes (choose_kernels: one kernel per row-count bucket, kernel_choice()
 says which for the log and the ledger):
 - "own": batchrun's AVX-512 VNNI kernel (kernels/cpu_w8a8.py): the activations quantized and the product's
-  scales applied in one pass each, bit for bit the int_mm path's result.
-- "int_mm" (one group only): torch._int_mm(qx, q.T) with q.T stored K-major (contiguous [K, N]), ~4x faster on CPU than the
-  transposed view of [N, K] (oneDNN s8s8s32 under the hood where it has it).
-- "onednn" (one group only): torch.ops.onednn.qlinear_pointwise on a qlinear_prepack'ed weight, activations shifted to uint8
-  with zero point 128 (oneDNN's u8s8 form: VNNI/AMX-INT8; its s8 activations take a reference path ~200x slower).
+  scales applied in one pass each; with one group bit for bit the int_mm path's result, with groups each
+  group's sum folded in by one FMA.
+- "int_mm" (one group only): torch._int_mm(qx, q.T) with q.T stored K-major (contiguous [K, N]), ~4x faster
+  on CPU than the transposed view of [N, K] (oneDNN s8s8s32 under the hood where it has it).
+- "onednn" (one group only): torch.ops.onednn.qlinear_pointwise on a qlinear_prepack'ed weight, activations
+  shifted to uint8 with zero point 128 (oneDNN's u8s8 form: VNNI/AMX-INT8; its s8 activations take a
+  reference path ~200x slower).
 - "float": the reference and the fallback that runs anywhere: the same integer math as float32 matmuls
   (exact while a row's sum stays under 2^24, i.e. always but at the extremes; a matmul per group), and what
   runs under BATCHRUN_QUANT_KERNELS=0.

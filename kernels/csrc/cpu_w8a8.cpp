@@ -10,8 +10,8 @@
 //   One group (per-row activations, per-channel weights): y[m, j] = (float(sum_k (u8[m, k] - 128) w[j, k]) *
 //   scales[j]) * sx[m], as the int_mm path computes it: one VPDPBUSD multiplies 4 unsigned activation bytes by
 //   4 signed weight bytes for 16 outputs and adds into 16 int32 sums, which start at offset[j] = -128 *
-//   sum_k w[j, k]: that takes the shift by 128 off. So the result equals torch._int_mm's path bit for bit (float32,
-//   and its rounding to bfloat16). G groups (llama.cpp's Q8_0 x Q8_0 form): each group's int32 sums, started
+//   sum_k w[j, k]: that takes the shift by 128 off. So the result equals torch._int_mm's path bit for bit
+//   (float32, and its rounding to bfloat16). G groups (llama.cpp's Q8_0 x Q8_0 form): each group's int32 sums, started
 //   at that group's offset, fold into float32 ones as y += float(sum_g) * (scales[g, j] *
 //   sx[m, g]), g in order (one FMA each: models/w8a8.py's float path rounds the product and the sum apart).
 //   A tile of R rows x NB blocks keeps its sums in registers (MR rows; MRG with G > 1, whose float sums take
@@ -168,7 +168,8 @@ BR_VNNI_TARGET inline void tile(const uint8_t* __restrict__ x0, int64_t K, const
   }
 }
 
-// the same rows x blocks with ng groups of KP / ng quads along K: sx is [rows, ng] from m0, offset / sw are [ng, NP]
+// the same rows x blocks with ng groups of KP / ng quads along K: sx is [rows, ng] from m0, offset and sw
+// are [ng, NP]
 template <int R, int B, bool BF16>
 BR_VNNI_TARGET inline void tile_grouped(const uint8_t* __restrict__ x0, int64_t K, const int8_t* __restrict__ w0,
                                         int64_t KP, int64_t ng, int64_t NP, const int32_t* __restrict__ offset,
@@ -220,8 +221,9 @@ BR_VNNI_TARGET inline void tile_of(const Gemm& g, int64_t m0, int64_t b0) {
                      : static_cast<void*>(static_cast<float*>(g.out) + m0 * g.n);
   if (g.ng > 1) {
     if constexpr (R <= MRG) {
-      if (g.bf16) tile_grouped<R, B, true>(x0, g.K, w0, g.KP, g.ng, g.blocks * 16, g.offset, g.sw, sx, out, g.n, b0 * 16);
-      else tile_grouped<R, B, false>(x0, g.K, w0, g.KP, g.ng, g.blocks * 16, g.offset, g.sw, sx, out, g.n, b0 * 16);
+      const int64_t NP = g.blocks * 16;
+      if (g.bf16) tile_grouped<R, B, true>(x0, g.K, w0, g.KP, g.ng, NP, g.offset, g.sw, sx, out, g.n, b0 * 16);
+      else tile_grouped<R, B, false>(x0, g.K, w0, g.KP, g.ng, NP, g.offset, g.sw, sx, out, g.n, b0 * 16);
     }
   } else if (g.bf16) {
     tile<R, B, true>(x0, g.K, w0, g.KP, g.offset, g.sw, sx, out, g.n, b0 * 16);
