@@ -3,8 +3,8 @@ library): models/w8a8.py's "own" kernel, timed against torch's (_int_mm, oneDNN 
 
 pack(q [N, K] int8, scales [N] or [N, G]) -> Packed: the codes as [ceil(N/16), K/4, 16, 4] (K a multiple of 4),
 -128 x their per-output sums per group of K / G columns (the activations are stored shifted to uint8; the
-kernel's int32 sums start at this offset, which takes the shift off) and the scales, both [G, N padded to
-whole blocks]. linear(x, packed, inv_smooth) quantizes x per row (G = 1) or per group of each row and
+kernel's int32 sums start at this offset, which takes the shift off) and the scales, both [blocks, G, 16]
+(N padded to whole blocks; one tile's groups contiguous). linear(x, packed, inv_smooth) quantizes x per row (G = 1) or per group of each row and
 multiplies, in one pass each. With one group: the same codes, sums and float32 roundings as models/w8a8.py's
 quantize_rows + torch._int_mm path, so equal to it bit for bit; with groups: its codes, and each group's sum
 folded in by one FMA. product() takes that path's codes (tests, the candidate check).
@@ -20,14 +20,14 @@ from . import cpu_attention
 
 class Packed(NamedTuple):
     wp: torch.Tensor        # int8 [blocks, K/4, 16, 4]
-    offset: torch.Tensor    # int32 [G, blocks * 16]: -128 * the codes' sum per output and group
-    scales: torch.Tensor    # float32 [G, blocks * 16]
+    offset: torch.Tensor    # int32 [blocks, G, 16]: -128 * the codes' sum per output and group
+    scales: torch.Tensor    # float32 [blocks, G, 16]
     n: int
 
     @property
     def group(self) -> int:
         """Columns per group along K."""
-        return self.wp.shape[1] * 4 // self.scales.shape[0]
+        return self.wp.shape[1] * 4 // self.scales.shape[1]
 
 
 def supported() -> bool:
@@ -46,8 +46,9 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> Packed:
     pad = -n % 16
     qp = torch.nn.functional.pad(q, (0, 0, 0, pad))
     wp = qp.view(-1, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    offset = qp.view(n + pad, ng, k // ng).to(torch.int32).sum(2, dtype=torch.int32).mul_(-128).t().contiguous()
-    return Packed(wp, offset, torch.nn.functional.pad(scales, (0, 0, 0, pad)).t().contiguous(), n)
+    offset = qp.view(n + pad, ng, k // ng).to(torch.int32).sum(2, dtype=torch.int32).mul_(-128)
+    sp = torch.nn.functional.pad(scales, (0, 0, 0, pad))
+    return Packed(wp, *(t.view(-1, 16, ng).transpose(1, 2).contiguous() for t in (offset, sp)), n)
 
 
 def linear(x: torch.Tensor, p: Packed, inv_smooth: Optional[torch.Tensor] = None) -> torch.Tensor:

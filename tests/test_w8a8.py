@@ -87,12 +87,14 @@ def test_linear_with_runtime_smoothing_is_the_quantised_math(dtype):
 @pytest.mark.parametrize("group", [None, 32])
 def test_kernel_choice_is_per_bucket_and_runs_the_chosen_kernel(group):
     ws = [W8A8Weight(*quantize_w8(torch.randn(64, 96), group)) for _ in range(3)]
-    codes = ws[0].qt.clone()
+    codes, scales = ws[0].qt.clone(), ws[0].scales.clone()
     choice = choose_kernels(ws, budget_s=0.05)
-    # where the own kernel runs every bucket its packed codes are the one copy kept, and give the codes back
-    assert (ws[0]._qt is None) == (set(choice.values()) == {"own"}) and torch.equal(ws[0].qt, codes)
+    # where the own kernel runs every bucket its packed codes and scales are the one copy kept, and give them back
+    only_own = set(choice.values()) == {"own"}
+    assert (ws[0]._qt is None) == only_own and (ws[0]._scales is None) == only_own
+    assert torch.equal(ws[0].qt, codes) and torch.equal(ws[0].scales, scales)
     choose_kernels(ws, budget_s=0.05)                 # a second choice starts from the same codes
-    assert torch.equal(ws[0].qt, codes)
+    assert torch.equal(ws[0].qt, codes) and torch.equal(ws[0].scales, scales)
     assert list(choice) == list(BUCKETS) and set(choice.values()) <= set(GROUPED_KERNELS if group else KERNELS)
     assert all(ws[0].kernel_for(b) == choice[b] for b in BUCKETS)
     assert ws[0].kernel_for(5000) == choice[BUCKETS[-1]]
@@ -199,8 +201,8 @@ def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch)
     """models/quant.weight_bytes_after (what `validate` prints) against the loaded engine's tensors: the
     parameters left (embedding, norms) plus each W8A8Weight's codes, scales and 1/s (a oneDNN-packed copy, and
     the own kernel's offsets and padded scales, kept only where this machine's timing chose it, cannot be
-    predicted and are left out of both; where the own kernel runs every bucket its packed codes are the one
-    copy kept, and they count as the codes)."""
+    predicted and are left out of both; where the own kernel runs every bucket its packed codes and scales are
+    the one copies kept, and they count as the codes and scales)."""
     from batchrun.models.loader import inspect_model
     from batchrun.models.quant import weight_bytes_after
     monkeypatch.setenv("BATCHRUN_CALIBRATION_CACHE", "0")
@@ -212,9 +214,11 @@ def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch)
             w = getattr(m, "weight", None)
             if isinstance(w, W8A8Weight):
                 own = w._own
-                copies = [w._onednn] + ([own.offset, own.scales] if own is not None else [])
+                copies = [w._onednn] + ([own.offset] if own is not None else [])
                 if w._qt is not None and own is not None:     # both copies of the codes kept: count one
                     copies.append(own.wp)
+                if w._scales is not None and own is not None:
+                    copies.append(own.scales)
                 real += sum(t.numel() * t.element_size() for t in w.tensors() if all(t is not c for c in copies))
         assert weight_bytes_after(inspect_model(path), "w8a8", 128, False, torch.float32)[0] == real
 

@@ -82,7 +82,7 @@ class W8A8Weight(QuantizedWeight):
                  use_kernel: bool = True):
         super().__init__(use_kernel)
         self._qt = q.t().contiguous()
-        self.scales = scales.float().contiguous()
+        self._scales = scales.float().contiguous()
         self.inv_smooth = None if inv_smooth is None else inv_smooth.float().contiguous()
         self.shape = tuple(q.shape)
         self.group = q.shape[1] // (scales.shape[1] if scales.dim() == 2 else 1)   # columns per group
@@ -98,11 +98,21 @@ class W8A8Weight(QuantizedWeight):
         wp = self._own.wp                                              # [blocks, K/4, 16, 4]
         return wp.permute(0, 2, 1, 3).reshape(-1, self.shape[1])[: self.shape[0]].t().contiguous()
 
+    @property
+    def scales(self) -> torch.Tensor:
+        """float32 [N] or [N, G]; rebuilt from the own kernel's packed [blocks, G, 16] where only that is kept."""
+        if self._scales is not None:
+            return self._scales
+        sp = self._own.scales
+        s = sp.transpose(1, 2).reshape(-1, sp.shape[1])[: self.shape[0]]
+        return (s.reshape(-1) if s.shape[1] == 1 else s).contiguous()
+
     def keep_one_copy(self) -> None:
-        """Once the own kernel runs every bucket, its packed codes are the only copy kept (halves the bytes)."""
+        """Once the own kernel runs every bucket, its packed codes and scales are the only copies kept (halves
+        the bytes)."""
         if self.per_bucket == ("own",) * len(BUCKETS) and self.shape[1] % 4 == 0:
             self.own_packed()
-            self._qt = None
+            self._qt = self._scales = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight the product applies to the original x: q * scale, times inv_smooth along K."""
@@ -172,7 +182,8 @@ class W8A8Weight(QuantizedWeight):
         extra = [self.inv_smooth] if self.inv_smooth is not None else []
         own = [self._own.wp, self._own.offset, self._own.scales] if self._own is not None else []
         codes = [self._qt] if self._qt is not None else []
-        return codes + [self.scales] + extra + ([self._onednn] if self._onednn is not None else []) + own
+        scales = [self._scales] if self._scales is not None else []
+        return codes + scales + extra + ([self._onednn] if self._onednn is not None else []) + own
 
 
 def _extreme_codes(n: int = 32, k: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,8 +244,8 @@ def choose_kernels(weights: list[W8A8Weight], budget_s: float = 0.5,
     shapes: dict[tuple, list[W8A8Weight]] = {}
     for w in weights:
         shapes.setdefault((w.shape, w.group), []).append(w)
-    for w in weights:                   # the codes back where only the own kernel's copy was kept
-        w._qt = w.qt
+    for w in weights:                   # codes and scales back where only the own kernel's copies were kept
+        w._qt, w._scales = w.qt, w.scales
     cands = _candidates(any(w.grouped for w in weights))
     share = budget_s / max(1, len(shapes) * len(BUCKETS) * len(cands))
     chosen = []

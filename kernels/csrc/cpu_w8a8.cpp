@@ -5,20 +5,20 @@
 //   per group of `group` columns of a row (0 or K: the whole row): v = x * inv_smooth, sx = max|v| / 127 (at
 //   least 1e-30), code round(v / sx) stored + 128 as uint8: models/w8a8.py quantize_rows' arithmetic in the
 //   same order (float division, ties to even), so the codes are its codes + 128.
-// batchrun_cpu::w8a8_gemm(u8 [M, K], sx [M, G], wp [blocks, K/4, 16, 4] int8, offset [G, blocks*16] int32,
+// batchrun_cpu::w8a8_gemm(u8 [M, K], sx [M, G], wp [blocks, K/4, 16, 4] int8, offset [blocks, G, 16] int32,
 //                         scales [G, blocks*16] f32, n, bf16_out) -> [M, n] (bf16 or f32), G groups along K
 //   One group (per-row activations, per-channel weights): y[m, j] = (float(sum_k (u8[m, k] - 128) w[j, k]) *
 //   scales[j]) * sx[m], as the int_mm path computes it: one VPDPBUSD multiplies 4 unsigned activation bytes by
 //   4 signed weight bytes for 16 outputs and adds into 16 int32 sums, which start at offset[j] = -128 *
 //   sum_k w[j, k]: that takes the shift by 128 off. So the result equals torch._int_mm's path bit for bit
 //   (float32, and its rounding to bfloat16). G groups (llama.cpp's Q8_0 x Q8_0 form): each group's int32 sums, started
-//   at that group's offset, fold into float32 ones as y += float(sum_g) * (scales[g, j] *
-//   sx[m, g]), g in order (one FMA each: models/w8a8.py's float path rounds the product and the sum apart).
-//   A tile of R rows x NB blocks keeps its sums in registers (MR rows; MRG with G > 1, whose float sums take
-//   registers too); threads take (block group, row chunk) items as the bf16 kernel does. The grouped form
-//   costs about 28% of the one-group kernel's rate on Zen 5 (the fold is 3 FP ops per 16 VPDPBUSD, on the
-//   same pipes); a 6-row tile with its float sums in L1 instead ran 10% faster at 64 rows but fell to ~60%
-//   of the one-group rate from 1,024 rows up, and lost end to end (prefill 1.01x bf16 against 1.18x).
+//   at that group's offset, fold into float32 ones as y += (float(sum_g) * sx[m, g]) *
+//   scales[g, j], g in order (one FMA each: models/w8a8.py's float path rounds the product and the sum apart).
+//   A tile of MR rows x NB blocks keeps its int32 sums in registers; a grouped tile's float32 sums sit in
+//   registers too up to MRG rows, and in an L1 array above. Threads take (block group, row chunk) items as the
+//   bf16 kernel does. The grouped form runs at ~85% of the one-group kernel's rate on Zen 5 (its fold: a
+//   convert, a multiply and an FMA per 16 VPDPBUSD, and the L1 round trip); with its float sums in registers
+//   (3-row tiles, too few loads shared) it ran at ~72%.
 // Both ops refuse to run without AVX-512 VNNI (w8a8_supported() says): models/w8a8.py then keeps torch's kernels.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -43,7 +43,7 @@ using torch::headeronly::ScalarType;
 
 constexpr int NB = 4;   // blocks of 16 outputs per tile
 constexpr int MR = 6;   // rows per tile: 24 int32 accumulators + 4 weight vectors + 1 broadcast
-constexpr int MRG = 3;  // with groups: 12 int32 + 12 float32 accumulators + 4 weight vectors + 1 broadcast
+constexpr int MRG = 3;  // grouped tiles up to this: 12 int32 + 12 float32 sums + 4 weight vectors in registers
 
 bool detect() {
 #ifdef BR_VNNI_X86
@@ -168,35 +168,44 @@ BR_VNNI_TARGET inline void tile(const uint8_t* __restrict__ x0, int64_t K, const
   }
 }
 
-// the same rows x blocks with ng groups of KP / ng quads along K: sx is [rows, ng] from m0, offset and sw
-// are [ng, NP]
+// a grouped tile's float32 sums: in registers up to MRG rows; above, in an L1 array (24 of them do not fit
+// beside 24 int32 sums, and GCC's own spills of a register array ran ~10% slower than these loads and stores)
+template <int R, int B, bool InRegs>
+struct FloatSums {
+  __m512 v[R][B];
+  BR_VNNI_TARGET __attribute__((always_inline)) __m512 get(int r, int b) const { return v[r][b]; }
+  BR_VNNI_TARGET __attribute__((always_inline)) void put(int r, int b, __m512 x) { v[r][b] = x; }
+};
+template <int R, int B>
+struct FloatSums<R, B, false> {
+  alignas(64) float v[R][B][16];
+  BR_VNNI_TARGET __attribute__((always_inline)) __m512 get(int r, int b) const { return _mm512_load_ps(v[r][b]); }
+  BR_VNNI_TARGET __attribute__((always_inline)) void put(int r, int b, __m512 x) { _mm512_store_ps(v[r][b], x); }
+};
+
+// the same rows x blocks with ng groups of KP / ng quads along K: sx is [rows, ng] from m0; offset and sw
+// are [blocks, ng, 16] from block col0 / 16, so one tile's are contiguous
 template <int R, int B, bool BF16>
 BR_VNNI_TARGET inline void tile_grouped(const uint8_t* __restrict__ x0, int64_t K, const int8_t* __restrict__ w0,
-                                        int64_t KP, int64_t ng, int64_t NP, const int32_t* __restrict__ offset,
+                                        int64_t KP, int64_t ng, const int32_t* __restrict__ offset,
                                         const float* __restrict__ sw, const float* __restrict__ sx,
                                         void* __restrict__ out, int64_t n, int64_t col0) {
   const int64_t GP = KP / ng;
-  __m512 accf[R][B];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) accf[r][b] = _mm512_setzero_ps();
+  FloatSums<R, B, (R <= MRG)> accf;
   for (int64_t g = 0; g < ng; ++g) {
-    const int32_t* og = offset + g * NP + col0;
     __v16si acc[R][B];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-      for (int b = 0; b < B; ++b) acc[r][b] = (__v16si)_mm512_loadu_si512(og + b * 16);    // the shift off
+      for (int b = 0; b < B; ++b) acc[r][b] = (__v16si)_mm512_loadu_si512(offset + (b * ng + g) * 16);  // the shift off
     accumulate<R, B>(acc, x0, K, w0, KP, g * GP, (g + 1) * GP);
-    const float* sg = sw + g * NP + col0;
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 sr = _mm512_set1_ps(sx[r * ng + g]);
 #pragma GCC unroll 8
       for (int b = 0; b < B; ++b) {
-        const __m512 f = _mm512_cvtepi32_ps((__m512i)acc[r][b]);
-        accf[r][b] = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_loadu_ps(sg + b * 16), sr), accf[r][b]);
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)acc[r][b]), sr), s = _mm512_loadu_ps(sw + (b * ng + g) * 16);
+        accf.put(r, b, g ? _mm512_fmadd_ps(f, s, accf.get(r, b)) : _mm512_mul_ps(f, s));
       }
     }
   }
@@ -206,7 +215,7 @@ BR_VNNI_TARGET inline void tile_grouped(const uint8_t* __restrict__ x0, int64_t 
     for (int b = 0; b < B; ++b) {
       const int64_t col = col0 + b * 16, left = n - col;
       const __mmask16 m = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-      const __m512 f = accf[r][b];
+      const __m512 f = accf.get(r, b);
       if (BF16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + r * n + col, m, to_bf16(f));
       else _mm512_mask_storeu_ps(static_cast<float*>(out) + r * n + col, m, f);
     }
@@ -220,11 +229,10 @@ BR_VNNI_TARGET inline void tile_of(const Gemm& g, int64_t m0, int64_t b0) {
   void* out = g.bf16 ? static_cast<void*>(static_cast<uint16_t*>(g.out) + m0 * g.n)
                      : static_cast<void*>(static_cast<float*>(g.out) + m0 * g.n);
   if (g.ng > 1) {
-    if constexpr (R <= MRG) {
-      const int64_t NP = g.blocks * 16;
-      if (g.bf16) tile_grouped<R, B, true>(x0, g.K, w0, g.KP, g.ng, NP, g.offset, g.sw, sx, out, g.n, b0 * 16);
-      else tile_grouped<R, B, false>(x0, g.K, w0, g.KP, g.ng, NP, g.offset, g.sw, sx, out, g.n, b0 * 16);
-    }
+    const int32_t* og = g.offset + b0 * g.ng * 16;
+    const float* sg = g.sw + b0 * g.ng * 16;
+    if (g.bf16) tile_grouped<R, B, true>(x0, g.K, w0, g.KP, g.ng, og, sg, sx, out, g.n, b0 * 16);
+    else tile_grouped<R, B, false>(x0, g.K, w0, g.KP, g.ng, og, sg, sx, out, g.n, b0 * 16);
   } else if (g.bf16) {
     tile<R, B, true>(x0, g.K, w0, g.KP, g.offset, g.sw, sx, out, g.n, b0 * 16);
   } else {
@@ -242,15 +250,11 @@ BR_VNNI_TARGET inline void row_tile(const Gemm& g, int64_t m0, int64_t b0, int64
   }
 }
 
-// rows [m0, m1) of block group grp: tiles of MR rows (MRG with groups), then the rest in one
+// rows [m0, m1) of block group grp: tiles of MR rows, then the rest in one
 BR_VNNI_TARGET void run(const Gemm& g, int64_t grp, int64_t m0, int64_t m1) {
   const int64_t b0 = grp * NB, nb = std::min<int64_t>(NB, g.blocks - b0);
   int64_t m = m0;
-  if (g.ng > 1) {
-    for (; m + MRG <= m1; m += MRG) row_tile<MRG>(g, m, b0, nb);
-  } else {
-    for (; m + MR <= m1; m += MR) row_tile<MR>(g, m, b0, nb);
-  }
+  for (; m + MR <= m1; m += MR) row_tile<MR>(g, m, b0, nb);
   switch (m1 - m) {
     case 5: row_tile<5>(g, m, b0, nb); break;
     case 4: row_tile<4>(g, m, b0, nb); break;
@@ -304,7 +308,7 @@ Tensor w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor offset, Tensor scales, 
   STD_TORCH_CHECK(ng >= 1 && KP % ng == 0 && offset.scalar_type() == ScalarType::Int && offset.is_contiguous() &&
                       offset.numel() == ng * blocks * 16 && scales.scalar_type() == ScalarType::Float &&
                       scales.is_contiguous() && scales.numel() == ng * blocks * 16,
-                  "w8a8_gemm: offset (int32) and scales (float32) must be contiguous [G, blocks * 16], G groups "
+                  "w8a8_gemm: offset (int32) and scales (float32) must be contiguous [blocks, G, 16], G groups "
                   "of a multiple of 4 dividing K");
   STD_TORCH_CHECK(sx.scalar_type() == ScalarType::Float && sx.is_contiguous() && sx.numel() == M * ng,
                   "w8a8_gemm: sx must be a contiguous float32 [M, G]");
@@ -318,9 +322,8 @@ Tensor w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor offset, Tensor scales, 
   const int64_t groups = (blocks + NB - 1) / NB;
   const int64_t threads = std::max<int64_t>(1, torch::stable::get_num_threads());
   int64_t chunks = 1;        // rows are split only where the groups alone cannot balance the threads
-  const int64_t mr = ng > 1 ? MRG : MR;
-  if (groups < 8 * threads && M >= 4 * mr) chunks = std::min((8 * threads + groups - 1) / groups, M / (2 * mr));
-  const int64_t rows = ((M + chunks - 1) / chunks + mr - 1) / mr * mr;
+  if (groups < 8 * threads && M >= 4 * MR) chunks = std::min((8 * threads + groups - 1) / groups, M / (2 * MR));
+  const int64_t rows = ((M + chunks - 1) / chunks + MR - 1) / MR * MR;
   chunks = (M + rows - 1) / rows;
   auto body = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
