@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from batchrun import LLM, SamplingParams  # noqa: E402
 from batchrun.models.attention import AttentionMetadata  # noqa: E402
-from batchrun.models.w8a8 import GROUP as W8A8_GROUP  # noqa: E402  (the default, before a row sets another)
 
 
 def models(names: list[str]) -> dict[str, str]:
@@ -63,11 +62,13 @@ def configs(path: str) -> dict[str, dict]:
     # calibrated on held-out docstrings (CALIB: quant_quality.calibration_file); "_unfolded": SmoothQuant's
     # o_proj/down_proj mode (models/smoothquant.py UNFOLDED), both measured
     out["kv fp8_e4m3 cal"] = {"kv_cache_dtype": "fp8_e4m3", "quantization_calibration": CALIB}
-    # "_group": w8a8.GROUP, the scales' group along K (0: one per row and output channel, torch's int8 form)
-    w8 = {"quantization": "w8a8", "quantization_calibration": CALIB}
-    out["w8a8"] = {**w8, "_unfolded": "runtime", "_group": W8A8_GROUP}
-    out["w8a8 one group"] = {**w8, "_unfolded": "runtime", "_group": 0}
-    out["w8a8 o/down plain"] = {**w8, "_unfolded": "none", "_group": W8A8_GROUP}
+    # the scales' group along K: the default (64), 32, 128, and 0: one per row and output channel (torch's form)
+    w8 = {"quantization": "w8a8", "quantization_calibration": CALIB, "_unfolded": "runtime"}
+    out["w8a8"] = w8
+    for g in (32, 128):
+        out[f"w8a8 g{g}"] = {**w8, "quantization_group_size": g}
+    out["w8a8 one group"] = {**w8, "quantization_group_size": 0}
+    out["w8a8 o/down plain"] = {**w8, "_unfolded": "none"}
     return out
 
 
@@ -155,7 +156,7 @@ def bench_model(name: str, path: str, args) -> None:
           + f"{'b1 vs bf16':>11}{'top-1':>8}{'ppl ratio':>10}{'top-1 bf16':>11}{'ppl/bf16':>9}{'JSON':>7}"
           + f"{'prefill t/s':>12}")
     import quant_quality as qq
-    from batchrun.models import smoothquant, w8a8
+    from batchrun.models import smoothquant
     calib = qq.calibration_file(skip_docs=400)
     base = bf16 = None
     for label, kw in configs(path).items():
@@ -163,7 +164,6 @@ def bench_model(name: str, path: str, args) -> None:
             continue
         kw = {k: (calib if v == CALIB else v) for k, v in kw.items()}
         smoothquant.UNFOLDED = kw.pop("_unfolded", smoothquant.UNFOLDED)
-        w8a8.GROUP = kw.pop("_group", w8a8.GROUP)
         llm = LLM(path, **{"dtype": "bfloat16", **common, **kw})
         led = llm.engine.memory_ledger
         if led.get("calibration"):

@@ -90,21 +90,20 @@ def calibration_file(skip_docs: int, rows: int = 64) -> str:
 
 
 def alternated_speed(path: str, rounds: int = 4) -> None:
-    """bf16 vs w8a8 (its default groups, and one group: per-row scales) on one model, the engines loaded
-    together, their runs alternated (a shared host's noise hits all): best-of-rounds prefill tok/s, B=64 and
-    B=1 decode tok/s, and the ratios."""
+    """bf16 vs w8a8 (its default groups of 64, groups of 32, and one group: per-row scales) on one model, the
+    engines loaded together, their runs alternated (a shared host's noise hits all): best-of-rounds prefill
+    tok/s, B=64 and B=1 decode tok/s, and the ratios."""
     import gc
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_quant import decode_tps
     from batchrun import LLM
-    from batchrun.models import w8a8
     common = dict(max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False, dtype="bfloat16")
     calib = calibration_file(skip_docs=400)
     llms = {"bf16": LLM(path, **common),
             "w8a8": LLM(path, quantization="w8a8", quantization_calibration=calib, **common)}
-    default, w8a8.GROUP = w8a8.GROUP, 0
-    llms["w8a8 one group"] = LLM(path, quantization="w8a8", quantization_calibration=calib, **common)
-    w8a8.GROUP = default
+    for label, group in (("w8a8 g32", 32), ("w8a8 one group", 0)):
+        llms[label] = LLM(path, quantization="w8a8", quantization_calibration=calib, quantization_group_size=group,
+                          **common)
     vocab = llms["bf16"].engine.runner.model.embed_tokens.num_embeddings
     best = {k: [0.0, 0.0, 0.0] for k in llms}
     for _ in range(rounds):

@@ -175,3 +175,23 @@ def test_quantization_is_part_of_the_job_fingerprint(tmp_path, tiny_model):  # n
                   load_tokenizer=False).fingerprint
     assert "quantization" not in a["model"] and b["model"]["quantization"] == "int8"
     assert {k: v for k, v in b.items() if k != "model"} == {k: v for k, v in a.items() if k != "model"}
+
+
+def test_the_group_is_part_of_the_fingerprint_where_it_changes_the_outputs(tmp_path, tiny_model):  # noqa: F811
+    """An unset w8a8 quantization_group_size is its default (64): the same fingerprint as the default written
+    out, so manifests from before the knob took w8a8 stay valid; another group is another fingerprint, and
+    int4's group is always in it."""
+    from batchrun.job.plan import make_plan
+    from batchrun.job.spec import load_job
+    from hostile_util import job
+    from test_job_common import write_prompt_files
+    write_prompt_files(str(tmp_path / "in"), 4, files=1)
+
+    def model_fp(**engine):
+        spec = load_job(job(tmp_path, tiny_model, "in", engine=engine))
+        return make_plan(spec, load_tokenizer=False).fingerprint["model"]
+    w8 = {"quantization": "w8a8", "quantization_calibration": 2}
+    assert model_fp(**w8) == model_fp(**w8, quantization_group_size=64)
+    assert "quantization_group_size" not in model_fp(**w8)
+    assert len({str(model_fp(**w8, quantization_group_size=g)) for g in (0, 32, 64, 128)}) == 4
+    assert model_fp(quantization="int4", quantization_group_size=32)["quantization_group_size"] == 32

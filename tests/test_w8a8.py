@@ -12,7 +12,7 @@ import torch
 
 from batchrun.models.calibration import _CausalBackend, collect_stats
 from batchrun.models.smoothquant import check_w8a8, smooth_model
-from batchrun.models.w8a8 import (BUCKETS, W8A8Weight, _candidates, choose_kernels, group_for, quantize_rows,
+from batchrun.models.w8a8 import (BUCKETS, GROUP, W8A8Weight, _candidates, choose_kernels, group_for, quantize_rows,
                                   quantize_w8)
 
 KERNELS = _candidates()
@@ -197,18 +197,21 @@ def test_w8a8_bad_settings_are_one_line_errors(hf_models, tmp_path, monkeypatch)
         check_w8a8(model)
 
 
-def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch):
+@pytest.mark.parametrize("group", [None, 0, 32])
+def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch, group):
     """models/quant.weight_bytes_after (what `validate` prints) against the loaded engine's tensors: the
     parameters left (embedding, norms) plus each W8A8Weight's codes, scales and 1/s (a oneDNN-packed copy, and
     the own kernel's offsets and padded scales, kept only where this machine's timing chose it, cannot be
     predicted and are left out of both; where the own kernel runs every bucket its packed codes and scales are
     the one copies kept, and they count as the codes and scales)."""
     from batchrun.models.loader import inspect_model
+    from batchrun.engine.config import quantization_group
     from batchrun.models.quant import weight_bytes_after
     monkeypatch.setenv("BATCHRUN_CALIBRATION_CACHE", "0")
     for arch in ("llama", "qwen2"):
         path = hf_models[arch][0]
-        model = _model(path, quantization="w8a8", quantization_calibration=2).engine.runner.model
+        model = _model(path, quantization="w8a8", quantization_calibration=2,
+                       quantization_group_size=group).engine.runner.model
         real = sum(p.numel() * p.element_size() for p in model.parameters())
         for m in model.modules():
             w = getattr(m, "weight", None)
@@ -220,7 +223,9 @@ def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch)
                 if w._scales is not None and own is not None:
                     copies.append(own.scales)
                 real += sum(t.numel() * t.element_size() for t in w.tensors() if all(t is not c for c in copies))
-        assert weight_bytes_after(inspect_model(path), "w8a8", 128, False, torch.float32)[0] == real
+        predicted = weight_bytes_after(inspect_model(path), "w8a8", quantization_group("w8a8", group), False,
+                                       torch.float32)[0]
+        assert predicted == real
 
 
 @pytest.mark.skipif("own" not in KERNELS, reason="the own W8A8 kernel needs AVX-512 VNNI")
@@ -328,3 +333,24 @@ def test_every_candidate_kernel_is_exact_at_the_ends_of_the_range(caps):
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-1] == "float"
+
+
+def test_quantization_group_size_sets_the_w8a8_groups(hf_models, monkeypatch):
+    """The knob reaches every projection (a layer whose input the group does not divide takes one group, as does
+    0); its default is w8a8.GROUP; 0 and 16 are refused for int4, 16 for w8a8, each naming the knob."""
+    from batchrun.engine.config import W8A8_DEFAULT_GROUP, EngineConfig
+    monkeypatch.setenv("BATCHRUN_CALIBRATION_CACHE", "0")
+    assert W8A8_DEFAULT_GROUP == GROUP
+    assert EngineConfig(model="m", quantization="w8a8").quantization_group_size == GROUP
+    assert EngineConfig(model="m", quantization="int4").quantization_group_size == 128
+    assert EngineConfig(model="m", quantization="w8a8", quantization_group_size=0).quantization_group_size == 0
+    for kind, bad in (("int4", 0), ("int4", 16), ("w8a8", 16), ("w8a8", True)):
+        with pytest.raises(ValueError, match=f"quantization_group_size must be .*got {bad!r}"):
+            EngineConfig(model="m", quantization=kind, quantization_group_size=bad)
+    path = hf_models["llama"][0]
+    for group in (0, 32):
+        model = _model(path, quantization="w8a8", quantization_calibration=2,
+                       quantization_group_size=group).engine.runner.model
+        ws = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), W8A8Weight)]
+        assert ws and all(w.group == (group if group and w.shape[1] % group == 0 else w.shape[1]) for w in ws)
+        assert any(w.grouped for w in ws) == bool(group)

@@ -5,6 +5,15 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional, Union
 
+W8A8_DEFAULT_GROUP = 64    # models/w8a8.GROUP (this module imports no torch; a test holds them equal)
+
+
+def quantization_group(quantization: Optional[str], group: Optional[int]) -> int:
+    """quantization_group_size as set, or the kind's default where unset (None): w8a8 64, int4 128."""
+    if group is not None:
+        return group
+    return W8A8_DEFAULT_GROUP if quantization == "w8a8" else 128
+
 
 @dataclass
 class EngineConfig:
@@ -42,11 +51,14 @@ class EngineConfig:
     quantization: weight-only quantization of the linear layers at load (models/quant.py): None, "int8"
         (per-output-channel symmetric), "int4" (group-wise asymmetric) or "gguf" (a GGUF file's Q4_0/Q4_1/Q8_0
         weights kept quantized); activations stay in `dtype`. torch's kernels on CPU, Triton's on CUDA.
-    quantization_group_size: int4 group along the input dim: 32, 64 or 128 (it must divide every layer).
+    quantization_group_size: columns per scale along the input dim. int4: 32, 64 or 128 (it must divide every
+        layer; None: 128). w8a8: 32, 64 or 128 where it divides a layer's input (a layer it does not takes one
+        scale per row), or 0: one scale per row everywhere, per output channel and per token (faster, less
+        exact; README "W8A8 and calibration"); None: 64.
     quantize_lm_head: quantize the logits weight too (a tied model keeps its embedding for lookups).
         quantization "w8a8": int8 weights (per output channel) and int8 activations (per token, dynamic), each
-        with a scale per group of 64 columns along K, int32 products (models/w8a8.py), channels balanced by
-        SmoothQuant (models/smoothquant.py) from a calibration pass.
+        with a scale per group of quantization_group_size (64) columns along K, int32 products
+        (models/w8a8.py), channels balanced by SmoothQuant (models/smoothquant.py) from a calibration pass.
     quantization_calibration: the rows of that pass (models/calibration.py), which also sets an fp8 KV cache's
         per-layer k_scale / v_scale: a row count (None: 256 for w8a8; for fp8 KV alone, no pass: scales 1.0)
         taken from the job's prompts (an engine given none: the stdlib docstrings), or a file's path
@@ -86,7 +98,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     quantization: Optional[str] = None
-    quantization_group_size: int = 128
+    quantization_group_size: Optional[int] = None
     quantize_lm_head: bool = False
     quantization_calibration: Union[int, str, None] = None
     kv_cache_dtype: str = "auto"
@@ -124,8 +136,12 @@ class EngineConfig:
         qc = self.quantization_calibration
         if not (qc is None or (isinstance(qc, str) and qc) or (type(qc) is int and qc >= 1)):
             raise ValueError(f"quantization_calibration must be a row count >= 1 or a file path, got {qc!r}")
-        if self.quantization_group_size not in (32, 64, 128):
-            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
+        w8a8 = self.quantization == "w8a8"
+        self.quantization_group_size = quantization_group(self.quantization, self.quantization_group_size)
+        groups = (0, 32, 64, 128) if w8a8 else (32, 64, 128)
+        if type(self.quantization_group_size) is not int or self.quantization_group_size not in groups:
+            raise ValueError(f"quantization_group_size must be {', '.join(map(str, groups[:-1]))} or {groups[-1]}"
+                             f"{' for w8a8' if w8a8 else ''}, got {self.quantization_group_size!r}")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")

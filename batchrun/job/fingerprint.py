@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any, Optional
 
 from batchrun.connectors import Source
+from batchrun.engine.config import W8A8_DEFAULT_GROUP, quantization_group
 from batchrun.job.schema import JobSpec
 
 if TYPE_CHECKING:
@@ -39,8 +40,14 @@ def _quantization_fp(spec: JobSpec) -> dict[str, Any]:
         kv["quantization_calibration"] = e.quantization_calibration
     if e.quantization is None:
         return kv
+    group = quantization_group(e.quantization, e.quantization_group_size)
     return {"quantization": e.quantization, "quantize_lm_head": e.quantize_lm_head,
-            **({"quantization_group_size": e.quantization_group_size} if e.quantization == "int4" else {}), **kv}
+            **({"quantization_group_size": group} if _group_counts(e.quantization, group) else {}), **kv}
+
+
+def _group_counts(quantization: str, group: int) -> bool:
+    """int4's group always; w8a8's where it is not the default, which its fingerprints always implied."""
+    return quantization == "int4" or (quantization == "w8a8" and group != W8A8_DEFAULT_GROUP)
 
 
 def job_fingerprint(spec: JobSpec, source: Source, model: ModelInfo) -> dict[str, Any]:

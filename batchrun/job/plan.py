@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 import pyarrow as pa
 
 from batchrun.connectors import InputError, Source, Unit, open_source
+from batchrun.engine.config import quantization_group
 from batchrun.job.fingerprint import TOKENIZER_FILES, fingerprint_hash, job_fingerprint
 from batchrun.job.render import Rendered, render
 from batchrun.job.schema import JobError, JobSpec
@@ -98,7 +99,7 @@ def check_model_settings(spec: JobSpec, model: ModelInfo) -> None:
     if spec.engine.quantization == "int4":      # the device and "gguf" on a non-GGUF model: at engine start
         from batchrun.models.quant import check_group_size
         try:
-            check_group_size(model.config, spec.engine.quantization_group_size)
+            check_group_size(model.config, quantization_group("int4", spec.engine.quantization_group_size))
         except ValueError as e:
             raise JobError(f"engine.{e}") from None
     if isinstance(spec.engine.quantization_calibration, str):   # a missing or empty file: a bad job file

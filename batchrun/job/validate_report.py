@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
+from batchrun.engine.config import quantization_group
 from batchrun.job.render import render
 from batchrun.job.schema import JobSpec
 
@@ -118,7 +119,8 @@ def plan_report(plan: JobPlan, sample: int = 256) -> dict[str, Any]:
     e = spec.engine
     kv_type = kv_dtype(e.kv_cache_dtype, dtype)
     kvb = info.kv_bytes_per_token(kv_type)              # the real bytes: half of bf16's with a float8 cache
-    memory, quantized = weight_bytes_after(info, e.quantization, e.quantization_group_size, e.quantize_lm_head,
+    group = quantization_group(e.quantization, e.quantization_group_size)
+    memory, quantized = weight_bytes_after(info, e.quantization, group, e.quantize_lm_head,
                                            dtype)      # quantized layers counted as their codes and scales
     budget, how = _kv_budget_estimate(spec, memory, kvb, max_len)
     kv_tokens = None if budget is None else budget // kvb

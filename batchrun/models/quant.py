@@ -75,7 +75,7 @@ def quantized_nbytes(kind: str, n: int, k: int, group: int, dtype: torch.dtype) 
         return n * k + n * elem                                   # codes, one scale per output channel
     if kind == "w8a8":                      # codes, a float32 scale per output channel and group (w8a8.group_for)
         from batchrun.models.w8a8 import group_for
-        return n * k + 4 * n * (k // group_for(k))
+        return n * k + 4 * n * (k // group_for(k, group))
     npad = -(-n // INT4_ROW_BLOCK) * INT4_ROW_BLOCK
     return npad * k // 2 + (k // group) * npad * 2 * elem        # two codes a byte, (scale, zero) per group
 

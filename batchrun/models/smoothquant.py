@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from batchrun.models.w8a8 import W8A8Weight, choose_kernels, group_for, quantize_w8
+from batchrun.models.w8a8 import GROUP, W8A8Weight, choose_kernels, group_for, quantize_w8
 
 DEFAULT_ALPHA = 0.5
 UNFOLDED = "runtime"        # o_proj / down_proj: "runtime" (x / s in the product) or "none"
@@ -79,9 +79,9 @@ def check_w8a8(model: nn.Module) -> None:
 
 
 def apply_w8a8(model: nn.Module, stats: dict, alpha: Optional[float] = None, unfolded: Optional[str] = None,
-               use_kernel: bool = True, budget_s: float = 0.5) -> tuple[int, dict]:
-    """Smooth, then replace every projection's weight by a W8A8Weight and measure the kernels. Returns (the
-    quantized weights' bytes, {bucket: kernel})."""
+               use_kernel: bool = True, budget_s: float = 0.5, group: int = GROUP) -> tuple[int, dict]:
+    """Smooth, then replace every projection's weight by a W8A8Weight (scales per `group` columns, w8a8.group_for)
+    and measure the kernels. Returns (the quantized weights' bytes, {bucket: kernel})."""
     check_w8a8(model)
     missing = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"
                and n not in stats["act_absmax"]]
@@ -91,7 +91,7 @@ def apply_w8a8(model: nn.Module, stats: dict, alpha: Optional[float] = None, unf
     weights, total = [], 0
     for name, (w, inv) in smoothed.items():
         mod = model.get_submodule(name)
-        q, scale = quantize_w8(w, group_for(w.shape[1]))
+        q, scale = quantize_w8(w, group_for(w.shape[1], group))
         qw = W8A8Weight(q, scale, inv, use_kernel)
         del mod._parameters["weight"]
         mod.weight = qw
@@ -137,7 +137,8 @@ def calibrate_model(model: nn.Module, info, config, kv_dtype: torch.dtype, rows)
     if is_fp8(kv_dtype):
         out["kv_scales"] = [[round(k, 6), round(v, 6)] for k, v in set_kv_scales(model, stats, kv_dtype)]
     if w8a8:
-        nbytes, choice = apply_w8a8(model, stats, use_kernel=kernels_enabled())
+        nbytes, choice = apply_w8a8(model, stats, use_kernel=kernels_enabled(),
+                                    group=config.quantization_group_size)
         out.update(quantized_bytes=nbytes, alpha=DEFAULT_ALPHA, smooth_unfolded=UNFOLDED,
                    w8a8_kernels={str(b): k for b, k in choice.items()} or "float (BATCHRUN_QUANT_KERNELS=0)")
     return out

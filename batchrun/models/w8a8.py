@@ -39,12 +39,13 @@ KERNELS = ("own", "int_mm", "onednn", "float")
 # row-count buckets: a product of m rows uses the kernel chosen for the first bucket >= m (the last beyond)
 BUCKETS = (1, 16, 64, 256, 2048)
 MEASURE_MAX_ROWS = 512        # the 2048 bucket is timed at this many rows: the cost per row is flat by then
-GROUP = 64                    # columns per scale along K, where it divides K (group_for)
+GROUP = 64                    # the default columns per scale along K (quantization_group_size), where it divides K
 
 
-def group_for(k: int) -> int:
-    """The group a projection of input size k takes: GROUP where it divides k, else k (one group)."""
-    return GROUP if GROUP and k % GROUP == 0 else k
+def group_for(k: int, group: int = GROUP) -> int:
+    """The group a projection of input size k takes: `group` where it divides k, else k (one group; so does
+    group 0)."""
+    return group if group and k % group == 0 else k
 
 
 def quantize_rows(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None, group: Optional[int] = None):

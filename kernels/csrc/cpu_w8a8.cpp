@@ -204,7 +204,8 @@ BR_VNNI_TARGET inline void tile_grouped(const uint8_t* __restrict__ x0, int64_t 
       const __m512 sr = _mm512_set1_ps(sx[r * ng + g]);
 #pragma GCC unroll 8
       for (int b = 0; b < B; ++b) {
-        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)acc[r][b]), sr), s = _mm512_loadu_ps(sw + (b * ng + g) * 16);
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)acc[r][b]), sr);
+        const __m512 s = _mm512_loadu_ps(sw + (b * ng + g) * 16);
         accf.put(r, b, g ? _mm512_fmadd_ps(f, s, accf.get(r, b)) : _mm512_mul_ps(f, s));
       }
     }
