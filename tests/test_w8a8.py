@@ -341,9 +341,9 @@ def test_quantization_group_size_sets_the_w8a8_groups(hf_models, monkeypatch):
     from batchrun.engine.config import W8A8_DEFAULT_GROUP, EngineConfig
     monkeypatch.setenv("BATCHRUN_CALIBRATION_CACHE", "0")
     assert W8A8_DEFAULT_GROUP == GROUP
-    assert EngineConfig(model="m", quantization="w8a8").quantization_group_size == GROUP
-    assert EngineConfig(model="m", quantization="int4").quantization_group_size == 128
-    assert EngineConfig(model="m", quantization="w8a8", quantization_group_size=0).quantization_group_size == 0
+    assert EngineConfig(model="m", quantization="w8a8").group_size == GROUP
+    assert EngineConfig(model="m", quantization="int4").group_size == 128
+    assert EngineConfig(model="m", quantization="w8a8", quantization_group_size=0).group_size == 0
     for kind, bad in (("int4", 0), ("int4", 16), ("w8a8", 16), ("w8a8", True)):
         with pytest.raises(ValueError, match=f"quantization_group_size must be .*got {bad!r}"):
             EngineConfig(model="m", quantization=kind, quantization_group_size=bad)

@@ -112,6 +112,11 @@ class EngineConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.name != "extra"]
 
+    @property
+    def group_size(self) -> int:
+        """quantization_group_size, or the quantization kind's default where it is unset."""
+        return quantization_group(self.quantization, self.quantization_group_size)
+
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -137,9 +142,9 @@ class EngineConfig:
         if not (qc is None or (isinstance(qc, str) and qc) or (type(qc) is int and qc >= 1)):
             raise ValueError(f"quantization_calibration must be a row count >= 1 or a file path, got {qc!r}")
         w8a8 = self.quantization == "w8a8"
-        self.quantization_group_size = quantization_group(self.quantization, self.quantization_group_size)
         groups = (0, 32, 64, 128) if w8a8 else (32, 64, 128)
-        if type(self.quantization_group_size) is not int or self.quantization_group_size not in groups:
+        g = self.quantization_group_size
+        if g is not None and (type(g) is not int or g not in groups):
             raise ValueError(f"quantization_group_size must be {', '.join(map(str, groups[:-1]))} or {groups[-1]}"
                              f"{' for w8a8' if w8a8 else ''}, got {self.quantization_group_size!r}")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \

@@ -93,7 +93,7 @@ class ModelRunner:
             raise ModelError(str(e)) from e
         self.quantization = config.quantization
         try:
-            check_quantization(config.quantization, config.quantization_group_size, info, self.device)
+            check_quantization(config.quantization, config.group_size, info, self.device)
         except ValueError as e:
             raise ModelError(str(e)) from e
         with torch.device("meta"), _default_dtype(self.dtype):
@@ -110,7 +110,7 @@ class ModelRunner:
         if self.quantization == "w8a8":
             quant_bytes = self.calibration.pop("quantized_bytes")
         elif self.quantization:      # weight-only int8/int4 linear layers (models/quant.py)
-            quant_bytes = apply_quantization(model, info, self.quantization, config.quantization_group_size,
+            quant_bytes = apply_quantization(model, info, self.quantization, config.group_size,
                                              config.quantize_lm_head, self.dtype)
         self.quantized_bytes = quant_bytes
         # where CPU weight-only products switch from torch's kernels to dense ones, measured here

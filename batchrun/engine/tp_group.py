@@ -59,7 +59,7 @@ def check_tp_settings(config, info) -> None:
         what = "GPUs" if device.type == "cuda" else "CPU cores this process may use"
         raise ValueError(f"tensor_parallel_size: {world} ranks, but {have} {what}")
     if config.quantization == "int4":           # each rank's row-parallel inputs must hold whole groups
-        g, a = config.quantization_group_size, info.args
+        g, a = config.group_size, info.args
         bad = sorted({n // world for n in (a.q_size, a.intermediate_size) if (n // world) % g})
         if bad:
             raise ValueError(f"quantization_group_size: {g} does not divide the per-rank layer inputs {bad} "

@@ -138,7 +138,7 @@ def calibrate_model(model: nn.Module, info, config, kv_dtype: torch.dtype, rows)
         out["kv_scales"] = [[round(k, 6), round(v, 6)] for k, v in set_kv_scales(model, stats, kv_dtype)]
     if w8a8:
         nbytes, choice = apply_w8a8(model, stats, use_kernel=kernels_enabled(),
-                                    group=config.quantization_group_size)
+                                    group=config.group_size)
         out.update(quantized_bytes=nbytes, alpha=DEFAULT_ALPHA, smooth_unfolded=UNFOLDED,
                    w8a8_kernels={str(b): k for b, k in choice.items()} or "float (BATCHRUN_QUANT_KERNELS=0)")
     return out
