@@ -77,15 +77,14 @@ BR_VNNI_TARGET void quantize_rows(const void* x, int64_t xs, bool bf16, const fl
     const char* row = static_cast<const char*>(x) + r * xs * esz;
     for (int64_t g = 0; g < ng; ++g) {
       const int64_t c0 = g * G, c1 = c0 + G;
-      __m512 lo = _mm512_set1_ps(__builtin_inff()), hi = _mm512_set1_ps(-__builtin_inff());
+      __m512 amax = _mm512_setzero_ps();   // |v| by clearing the sign: one max and one reduction per group
       for (int64_t k = c0; k < c1; k += 16) {
         const __mmask16 m = c1 - k >= 16 ? 0xFFFF : (__mmask16)((1u << (c1 - k)) - 1);
         __m512 v = load16(row + k * esz, bf16, m);
         if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
-        lo = _mm512_mask_min_ps(lo, m, lo, v);
-        hi = _mm512_mask_max_ps(hi, m, hi, v);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));   // masked-off lanes load as 0
       }
-      float s = std::max(-_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi)) / 127.0f;
+      float s = _mm512_reduce_max_ps(amax) / 127.0f;
       s = std::max(s, 1e-30f);
       sx[r * ng + g] = s;
       const __m512 sv = _mm512_set1_ps(s);
