@@ -4,10 +4,11 @@ library): models/w8a8.py's "own" kernel, timed against torch's (_int_mm, oneDNN 
 pack(q [N, K] int8, scales [N] or [N, G]) -> Packed: the codes as [ceil(N/16), K/4, 16, 4] (K a multiple of 4),
 -128 x their per-output sums per group of K / G columns (the activations are stored shifted to uint8; the
 kernel's int32 sums start at this offset, which takes the shift off) and the scales, both [blocks, G, 16]
-(N padded to whole blocks; one tile's groups contiguous). linear(x, packed, inv_smooth) quantizes x per row (G = 1) or per group of each row and
-multiplies, in one pass each. With one group: the same codes, sums and float32 roundings as models/w8a8.py's
+(N padded to whole blocks; one tile's groups contiguous); Packed.codes() and .row_scales() give back what was
+packed. linear(x, packed, inv_smooth) quantizes x per row (G = 1) or per group of each row and multiplies, in
+one pass each. With one group: the same codes, sums and float32 roundings as models/w8a8.py's
 quantize_rows + torch._int_mm path, so equal to it bit for bit; with groups: its codes, and each group's sum
-folded in by one FMA. product() takes that path's codes (tests, the candidate check).
+folded in by a multiply and an FMA. product() takes that path's codes (tests, the candidate check).
 """
 from __future__ import annotations
 
@@ -28,6 +29,15 @@ class Packed(NamedTuple):
     def group(self) -> int:
         """Columns per group along K."""
         return self.wp.shape[1] * 4 // self.scales.shape[1]
+
+    def codes(self) -> torch.Tensor:
+        """The packed codes back as int8 [N, K]."""
+        return self.wp.permute(0, 2, 1, 3).reshape(-1, self.wp.shape[1] * 4)[: self.n]
+
+    def row_scales(self) -> torch.Tensor:
+        """The packed scales back as float32 [N] (one group) or [N, G], contiguous."""
+        s = self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[: self.n]
+        return (s.reshape(-1) if s.shape[1] == 1 else s).contiguous()
 
 
 def supported() -> bool:

@@ -3,7 +3,8 @@ o 576x576, gate_up 3072x576, down 576x1536; random weights, since speed depends 
 count: one pass over every layer, ms (best of --reps), each W8A8 kernel as the whole product (x quantized per
 row, the int32 sums scaled to bf16), and GOP/s. The measured choice (models/w8a8.choose_kernels) picks among
 these per row bucket at quantize time; this prints what it picks from. "own gN": the own kernel with scales
-per group of N columns along K (w8a8.GROUP, the default quantization_group_size; torch's int8 GEMMs take one group only).
+per group of N columns along K (w8a8.GROUP: the default quantization_group_size; torch's int8 GEMMs take one
+group only).
 
     python scripts/bench_w8a8_kernels.py [--rows 1,16,64,256,2048] [--reps 3] [--layers 30] [--groups 64,32]
 """

@@ -204,8 +204,8 @@ def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch,
     the own kernel's offsets and padded scales, kept only where this machine's timing chose it, cannot be
     predicted and are left out of both; where the own kernel runs every bucket its packed codes and scales are
     the one copies kept, and they count as the codes and scales)."""
-    from batchrun.models.loader import inspect_model
     from batchrun.engine.config import quantization_group
+    from batchrun.models.loader import inspect_model
     from batchrun.models.quant import weight_bytes_after
     monkeypatch.setenv("BATCHRUN_CALIBRATION_CACHE", "0")
     for arch in ("llama", "qwen2"):

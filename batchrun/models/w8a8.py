@@ -14,7 +14,7 @@ quantize time on the model's own shapes (choose_kernels: one kernel per row-coun
 says which for the log and the ledger):
 - "own": batchrun's AVX-512 VNNI kernel (kernels/cpu_w8a8.py): the activations quantized and the product's
   scales applied in one pass each; with one group bit for bit the int_mm path's result, with groups each
-  group's sum folded in by one FMA.
+  group's sum folded in by a multiply and an FMA.
 - "int_mm" (one group only): torch._int_mm(qx, q.T) with q.T stored K-major (contiguous [K, N]), ~4x faster
   on CPU than the transposed view of [N, K] (oneDNN s8s8s32 under the hood where it has it).
 - "onednn" (one group only): torch.ops.onednn.qlinear_pointwise on a qlinear_prepack'ed weight, activations
@@ -96,17 +96,12 @@ class W8A8Weight(QuantizedWeight):
         """The codes int8 [K, N]; rebuilt from the own kernel's packed copy where only that one is kept."""
         if self._qt is not None:
             return self._qt
-        wp = self._own.wp                                              # [blocks, K/4, 16, 4]
-        return wp.permute(0, 2, 1, 3).reshape(-1, self.shape[1])[: self.shape[0]].t().contiguous()
+        return self._own.codes().t().contiguous()
 
     @property
     def scales(self) -> torch.Tensor:
-        """float32 [N] or [N, G]; rebuilt from the own kernel's packed [blocks, G, 16] where only that is kept."""
-        if self._scales is not None:
-            return self._scales
-        sp = self._own.scales
-        s = sp.transpose(1, 2).reshape(-1, sp.shape[1])[: self.shape[0]]
-        return (s.reshape(-1) if s.shape[1] == 1 else s).contiguous()
+        """float32 [N] or [N, G]; rebuilt from the own kernel's packed copy where only that one is kept."""
+        return self._scales if self._scales is not None else self._own.row_scales()
 
     def keep_one_copy(self) -> None:
         """Once the own kernel runs every bucket, its packed codes and scales are the only copies kept (halves

@@ -6,14 +6,14 @@
 //   least 1e-30), code round(v / sx) stored + 128 as uint8: models/w8a8.py quantize_rows' arithmetic in the
 //   same order (float division, ties to even), so the codes are its codes + 128.
 // batchrun_cpu::w8a8_gemm(u8 [M, K], sx [M, G], wp [blocks, K/4, 16, 4] int8, offset [blocks, G, 16] int32,
-//                         scales [G, blocks*16] f32, n, bf16_out) -> [M, n] (bf16 or f32), G groups along K
+//                         scales [blocks, G, 16] f32, n, bf16_out) -> [M, n] (bf16 or f32), G groups along K
 //   One group (per-row activations, per-channel weights): y[m, j] = (float(sum_k (u8[m, k] - 128) w[j, k]) *
 //   scales[j]) * sx[m], as the int_mm path computes it: one VPDPBUSD multiplies 4 unsigned activation bytes by
 //   4 signed weight bytes for 16 outputs and adds into 16 int32 sums, which start at offset[j] = -128 *
 //   sum_k w[j, k]: that takes the shift by 128 off. So the result equals torch._int_mm's path bit for bit
-//   (float32, and its rounding to bfloat16). G groups (llama.cpp's Q8_0 x Q8_0 form): each group's int32 sums, started
-//   at that group's offset, fold into float32 ones as y += (float(sum_g) * sx[m, g]) *
-//   scales[g, j], g in order (one FMA each: models/w8a8.py's float path rounds the product and the sum apart).
+//   (float32, and its rounding to bfloat16). G groups (llama.cpp's Q8_0 x Q8_0 form): each group's int32 sums,
+//   started at that group's offset, fold into float32 ones as y += (float(sum_g) * sx[m, g]) * scales[g, j],
+//   g in order (a multiply and an FMA each: models/w8a8.py's float path rounds the product and sum apart).
 //   A tile of MR rows x NB blocks keeps its int32 sums in registers; a grouped tile's float32 sums sit in
 //   registers too up to MRG rows, and in an L1 array above. Threads take (block group, row chunk) items as the
 //   bf16 kernel does. The grouped form runs at ~85% of the one-group kernel's rate on Zen 5 (its fold: a
