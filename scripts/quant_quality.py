@@ -6,6 +6,7 @@ hold while this falls (the seed's 98% -> 82%), so it is measured beside it. Held
 stdlib docstrings after the ones the perplexity text takes, written to a JSONL file.
 
     python scripts/quant_quality.py            # W8A8 vs bf16 speed on SmolLM2: prefill, B=64 and B=1 decode
+    python scripts/quant_quality.py --kv       # bf16 vs int8 vs fp8_e4m3 KV cache speed on SmolLM2
     python scripts/quant_quality.py --where    # where W8A8's top-1 loss is, per projection family
 """
 from __future__ import annotations
@@ -89,32 +90,39 @@ def calibration_file(skip_docs: int, rows: int = 64) -> str:
     return path
 
 
-def alternated_speed(path: str, rounds: int = 4) -> None:
-    """bf16 vs w8a8 (its default groups of 64, groups of 32, and one group: per-row scales) on one model, the
-    engines loaded together, their runs alternated (a shared host's noise hits all): best-of-rounds prefill
-    tok/s, B=64 and B=1 decode tok/s, and the ratios."""
+def alternated_speed(path: str, kv: bool = False, rounds: int = 4) -> None:
+    """bf16 vs w8a8 (its default groups of 64, groups of 32, and one group: per-row scales), or with kv the
+    bf16 model on a bf16, int8 and fp8_e4m3 KV cache, on one model, the engines loaded together, their runs
+    alternated (a shared host's noise hits all): best-of-rounds prefill tok/s, B=64 and B=1 decode tok/s
+    after 32-token prompts (kv: also B=64 after 512-token prompts, where the cache's reads weigh more), and
+    the ratios."""
     import gc
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_quant import decode_tps
     from batchrun import LLM
     common = dict(max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False, dtype="bfloat16")
     calib = calibration_file(skip_docs=400)
-    llms = {"bf16": LLM(path, **common),
-            "w8a8": LLM(path, quantization="w8a8", quantization_calibration=calib, **common)}
-    for label, group in (("w8a8 g32", 32), ("w8a8 one group", 0)):
-        llms[label] = LLM(path, quantization="w8a8", quantization_calibration=calib, quantization_group_size=group,
-                          **common)
+    if kv:
+        forms = {"bf16": {}, "kv int8": {"kv_cache_dtype": "int8"}, "kv fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"}}
+    else:
+        w8 = {"quantization": "w8a8", "quantization_calibration": calib}
+        forms = {"bf16": {}, "w8a8": w8, "w8a8 g32": {**w8, "quantization_group_size": 32},
+                 "w8a8 one group": {**w8, "quantization_group_size": 0}}
+    llms = {k: LLM(path, **kw, **common) for k, kw in forms.items()}
     vocab = llms["bf16"].engine.runner.model.embed_tokens.num_embeddings
-    best = {k: [0.0, 0.0, 0.0] for k in llms}
+    runs = {"prefill": lambda llm: prefill_tps(llm, vocab), "decode B=64": lambda llm: decode_tps(llm, 64, 32, vocab),
+            "B=1": lambda llm: decode_tps(llm, 1, 32, vocab)}
+    if kv:
+        runs["B=64 ctx 512"] = lambda llm: decode_tps(llm, 64, 32, vocab, prompt_len=512)
+    best = {k: {r: 0.0 for r in runs} for k in llms}
     for _ in range(rounds):
         for k, llm in llms.items():
-            best[k][0] = max(best[k][0], prefill_tps(llm, vocab))
-            best[k][1] = max(best[k][1], decode_tps(llm, 64, 32, vocab))
-            best[k][2] = max(best[k][2], decode_tps(llm, 1, 32, vocab))
-    for k, (p, d, d1) in best.items():
-        print(f"{k:<14} prefill {p:8.1f} tok/s ({p / best['bf16'][0]:.2f}x)   decode B=64 {d:8.1f} tok/s "
-              f"({d / best['bf16'][1]:.2f}x)   B=1 {d1:7.1f} tok/s ({d1 / best['bf16'][2]:.2f}x)")
-    print("w8a8 kernels:", llms["w8a8"].engine.memory_ledger["calibration"]["w8a8_kernels"])
+            for r, f in runs.items():
+                best[k][r] = max(best[k][r], f(llm))
+    for k, b in best.items():
+        print(f"{k:<14} " + "   ".join(f"{r} {b[r]:8.1f} tok/s ({b[r] / best['bf16'][r]:.2f}x)" for r in runs))
+    if not kv:
+        print("w8a8 kernels:", llms["w8a8"].engine.memory_ledger["calibration"]["w8a8_kernels"])
     del llms
     gc.collect()
     os.unlink(calib)
@@ -160,4 +168,4 @@ if __name__ == "__main__":
     if "--where" in sys.argv[1:]:
         loss_by_family(smollm2_gguf())
     else:
-        alternated_speed(smollm2_gguf())
+        alternated_speed(smollm2_gguf(), kv="--kv" in sys.argv[1:])

@@ -36,11 +36,14 @@ def _mixed(model, forms_by_shape, batch_hint):
 
 
 @pytest.mark.parametrize("arch,gemm", [("llama", "own"), ("mistral", "own"), ("llama", "onednn"),
-                                       ("llama", "plain"), ("llama", "mixed"), ("llama", "own+sdpa")])
+                                       ("llama", "plain"), ("llama", "mixed"), ("llama", "own+sdpa"),
+                                       ("llama", "own+int8"), ("mistral", "own+fp8")])
 def test_every_step_equals_the_per_op_path_bit_for_bit(hf_models, monkeypatch, arch, gemm):
-    """Whichever form runs the projections (kernel_choice: own, oneDNN, plain, or per bucket), and with fresh
-    prompt chunks on torch's SDPA (attention_choice's sdpa)."""
+    """Whichever form runs the projections (kernel_choice: own, oneDNN, plain, or per bucket), with fresh
+    prompt chunks on torch's SDPA (attention_choice's sdpa), and with an int8 or float8 KV cache."""
     sdpa = gemm == "own+sdpa"
+    kv = {"own+int8": "int8", "own+fp8": "fp8"}.get(gemm, "auto")
+    gemm = "own" if kv != "auto" else gemm
     if sdpa:
         monkeypatch.setenv(ATTENTION_ENV, "sdpa")
         gemm = "own"
@@ -50,7 +53,7 @@ def test_every_step_equals_the_per_op_path_bit_for_bit(hf_models, monkeypatch, a
         monkeypatch.setattr(kc, "measure", _mixed)
     else:
         monkeypatch.setenv(kc.GEMM_ENV, gemm)
-    llm = LLM(hf_models[arch][0], **KW)
+    llm = LLM(hf_models[arch][0], kv_cache_dtype=kv, **KW)
     assert llm.engine.memory_ledger["decoder_layer_op"] is True
     assert not sdpa or llm.engine.runner.backend.sdpa_from == 1
     model = llm.engine.runner.model

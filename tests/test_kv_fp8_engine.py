@@ -90,7 +90,7 @@ def test_auto_keeps_the_model_dtype_cache(hf_models):
 
 def test_engine_config_refuses_an_unknown_kv_cache_dtype():
     from batchrun.engine.config import EngineConfig
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'fp4'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, int8, got 'fp4'"):
         EngineConfig(model="x", kv_cache_dtype="fp4")
 
 

@@ -75,7 +75,9 @@ class EngineConfig:
         engine start, cached per CPU; float32 keeps batchrun's kernel), "own", "sdpa" (every fresh chunk) or
         "torch" (the reference path throughout). $BATCHRUN_CPU_ATTENTION sets it where this is auto.
     kv_cache_dtype: "auto" (the model's dtype), "fp8_e4m3" (alias "fp8") or "fp8_e5m2": K/V stored as float8
-        with a per-layer k_scale / v_scale (1.0), converted in the attention op; half of bf16's bytes.
+        with a per-layer k_scale / v_scale (1.0), converted in the attention op; half of bf16's bytes. "int8"
+        (CPU only): int8 codes with a float16 scale per 32 values of each head's row (llama.cpp's q8_0
+        cache), 53% of bf16's bytes at head_dim 64, closer to bf16 than fp8 (README "Quantization").
     """
 
     model: str = ""
@@ -178,7 +180,7 @@ def default_threads() -> int:
 
 
 # vLLM's names: "fp8" is fp8_e4m3 (torch.float8_e4m3fn); batchrun.kernels.kv_quant maps them to dtypes
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 CPU_GEMM_MODES = ("auto", "own", "onednn", "plain")      # kernel_choice.MODES (that module imports torch)
 CPU_ATTENTION_MODES = ("auto", "own", "sdpa", "torch")   # attention_choice.MODES
 

@@ -20,7 +20,7 @@ from batchrun.engine.sampler import sample_seqs, verify_drafts
 from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
 from batchrun.engine.step_inputs import StepInputs
 from batchrun.kernels import cpu_argmax
-from batchrun.kernels.kv_quant import bytes_view, kv_dtype
+from batchrun.kernels.kv_quant import bytes_view, is_int8, kv_dtype, row_bytes, row_width
 from batchrun.models.attention import TorchAttentionBackend
 from batchrun.models.cpu_fused import fused_ops_supported, use_fused_layer_ops
 from batchrun.models import attention_choice, kernel_choice, quant_kernel_choice
@@ -75,14 +75,16 @@ class ModelRunner:
         self.device = resolve_device(config.device, rank)
         self.threads = apply_threads(config, self.world)
         self.dtype = info.torch_dtype(config.dtype)
-        self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)     # float8 with kv_cache_dtype fp8
+        self.kv_dtype = kv_dtype(config.kv_cache_dtype, self.dtype)     # float8 or int8 with kv_cache_dtype
+        if is_int8(self.kv_dtype) and self.device.type != "cpu":
+            raise ModelError(f"kv_cache_dtype int8 runs on CPU only (device {self.device.type}); "
+                             "on CUDA use fp8_e4m3 or auto")
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         args = shard_args(info.args, self.world)                        # this rank's heads and MLP rows
         per_seq = blocks_needed(max_model_len, self.block_size)
         # K and V of every layer, this rank's KV heads
-        self.kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * \
-            torch.empty((), dtype=self.kv_dtype).element_size()
+        self.kv_bytes_per_token = 2 * args.num_layers * args.num_kv_heads * row_bytes(self.kv_dtype, args.head_dim)
         if config.kv_cache_memory is not None:        # refuse before any weight is read
             check_fits_one_sequence(self, int(config.kv_cache_memory), self.kv_bytes_per_token, per_seq,
                                           max_model_len)
@@ -133,7 +135,8 @@ class ModelRunner:
             n = torch.tensor([self.num_blocks])
             dist.all_reduce(n, op=dist.ReduceOp.MIN, group=tp_group)
             self.num_blocks = int(n)
-        shape = (info.num_layers, 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        shape = (info.num_layers, 2, self.num_blocks, self.block_size, attn.num_kv_heads,
+                 row_width(self.kv_dtype, attn.head_dim))          # int8: each row's codes, then its scales
         if self.device.type == "cpu":
             self.kv_caches = lazy_zeros(shape, self.kv_dtype)   # paged in as blocks are first used
         else:

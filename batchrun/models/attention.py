@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from batchrun.kernels.kv_quant import bytes_view, dequantize, is_fp8, quantize
+from batchrun.kernels.kv_quant import bytes_view, dequantize, encode, is_fp8
 
 
 @dataclass
@@ -94,8 +94,8 @@ class TorchAttentionBackend:
             return
         nb, bs, hkv, d = k_cache.shape
         slots = meta.slot_mapping
-        if is_fp8(k_cache.dtype):             # torch has no float8 index_copy_: the bytes are copied
-            k, v = bytes_view(quantize(k, k_cache.dtype, k_scale)), bytes_view(quantize(v, v_cache.dtype, v_scale))
+        # float8 codes as bytes (torch has no float8 index_copy_), int8 rows with their scales
+        k, v = encode(k, k_cache.dtype, k_scale), encode(v, v_cache.dtype, v_scale)
         bytes_view(k_cache).view(nb * bs, hkv, d).index_copy_(0, slots, k)
         bytes_view(v_cache).view(nb * bs, hkv, d).index_copy_(0, slots, v)
 

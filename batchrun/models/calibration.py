@@ -213,5 +213,5 @@ def calibrate(model: nn.Module, info, rows: list[list[int]]) -> dict:
 
 def needs_calibration(config) -> bool:
     """W8A8 always calibrates; an fp8 KV cache when quantization_calibration is set (else its scales stay 1.0)."""
-    return config.quantization == "w8a8" or (config.kv_cache_dtype != "auto"
+    return config.quantization == "w8a8" or (config.kv_cache_dtype.startswith("fp8")
                                               and config.quantization_calibration is not None)

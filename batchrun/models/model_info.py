@@ -50,9 +50,8 @@ class ModelInfo:
         return self.args.head_dim
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        import torch
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        from batchrun.kernels.kv_quant import row_bytes      # an int8 cache's rows carry their scales
+        return 2 * self.num_layers * self.num_kv_heads * row_bytes(dtype, self.head_dim)
 
     def memory_bytes(self, dtype: torch.dtype) -> int:
         """Weights in memory once loaded: every parameter in `dtype` (GGUF tensors are dequantised)."""

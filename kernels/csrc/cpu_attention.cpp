@@ -7,6 +7,8 @@
 // row is converted to float in registers as its tile is loaded, k_scale folded into the query scale and
 // v_scale into the output's normalisation. store_kv writes float8 as the reference does: round-to-nearest
 // of x * (1 / scale) (the reciprocal rounded to float), saturated to the format's largest finite value.
+// Or int8 (kv_cache_dtype int8): each head's row is D codes then a float16 scale per group of 32 values
+// (kernels/kv_quant.py), the cache's last dimension D + 2 * ceil(D / 32); read as code x its group's scale.
 //
 // Sequence b's queries are rows query_start_loc[b] .. query_start_loc[b+1] of q, the last qlen positions of
 // its context of seq_lens[b] tokens (query t sits at seq_lens[b] - qlen + t). Causal, GQA, optional sliding
@@ -54,6 +56,10 @@ constexpr int SMALL_R = 8;     // fewer query rows per group than this: per-key 
 constexpr int MAX_ROWS = 64;   // query rows (tokens x group size) per group, unless one token's group is larger
 constexpr int PART_KEYS = 512; // shortest key span worth a partition of its own
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int I8_GROUP = 32;   // int8 caches: values per float16 scale
+
+// an int8 cache row's length for head_dim D (codes, then 2 bytes per group), and back
+inline int64_t i8_row(int64_t D) { return D + 2 * ((D + I8_GROUP - 1) / I8_GROUP); }
 
 struct Group {
   int b, h, t0, t1, lo, hi;  // sequence, KV head, query tokens [t0, t1) of the sequence, keys [lo, hi)
@@ -95,10 +101,21 @@ template <typename T>
 BR_INLINE void load_row(const T* BR_RESTRICT src, float* BR_RESTRICT dst, int D) {
   for (int d = 0; d < D; ++d) dst[d] = to_f(src[d]);
 }
-// a K or V row as floats: the vector float8 conversion, else load_row
+// a K or V row as floats: the vector float8 or int8 conversion, else load_row
 template <int V, typename KT>
 BR_INLINE void load_kv_row(const KT* BR_RESTRICT src, float* BR_RESTRICT dst, int D) {
-  if constexpr (is_fp8<KT>) {
+  if constexpr (std::is_same_v<KT, int8_t>) {
+    const char* sp = reinterpret_cast<const char*>(src + D);  // the groups' float16 scales follow the codes
+    for (int g0 = 0; g0 < D; g0 += I8_GROUP, sp += 2) {
+      c10::Half h;
+      std::memcpy(&h, sp, 2);
+      const float s = to_f(h);
+      const int g1 = std::min(D, g0 + I8_GROUP);
+      int d = g0;
+      for (; d + V <= g1; d += V) vstore<V>(dst + d, vload_i8<V>(src + d) * s);
+      for (; d < g1; ++d) dst[d] = static_cast<float>(src[d]) * s;
+    }
+  } else if constexpr (is_fp8<KT>) {
     int d = 0;
     for (; d + V <= D; d += V) vstore<V>(dst + d, vload_fp8<V>(src + d));
     for (; d < D; ++d) dst[d] = to_f(src[d]);
@@ -113,10 +130,11 @@ BR_INLINE void store_row(const float* BR_RESTRICT src, float mul, T* BR_RESTRICT
 
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-// Floats of per-thread scratch for a group of `rows` query rows (rows and head_dim padded to multiples of 16).
+// Floats of per-thread scratch for a group of `rows` query rows (rows and head_dim padded to multiples of 16),
+// the last 32 DP + 16 for the bfloat16 paths' ring of converted quantized rows (cpu_attention_bf16.h ring_of)
 inline size_t scratch_floats(int rows, int D) {
   const size_t RP = round_up(rows, PAD), DP = round_up(D, PAD);
-  return RP * DP + 2 * TK * DP + TK * RP + 4 * RP + RP * DP;
+  return RP * DP + 2 * TK * DP + TK * RP + 4 * RP + RP * DP + 32 * DP + 16;
 }
 
 // acc rows [r0, r0 + NR) = acc * alpha + p @ v over a tile, for vectors [c0, c0 + CV) of each row, in registers
@@ -228,7 +246,7 @@ BR_INLINE void run_item(const Params& P, const Item& it, float* BR_RESTRICT ws) 
       vr[j] = vc + blk * P.vs0 + off * P.vs1 + voff;
     }
   };
-  const int row_bytes = D * static_cast<int>(sizeof(KT));
+  const int row_bytes = std::is_same_v<KT, int8_t> ? static_cast<int>(i8_row(D)) : D * static_cast<int>(sizeof(KT));
   if (it.k0 < it.k1) locate(it.k0, std::min(TK, it.k1 - it.k0), kp[0], vp[0]);
   int cur = 0;
   for (int k0 = it.k0; k0 < it.k1; k0 += TK, cur ^= 1) {
@@ -395,14 +413,15 @@ template <typename T, typename KT, int DT, int V>
 BR_INLINE void work(const Params& P, std::atomic<int>& next, float* ws) {
   for (int i = next.fetch_add(1, std::memory_order_relaxed); i < P.nitems;
        i = next.fetch_add(1, std::memory_order_relaxed)) {
-    if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> && DT > 0 && V == 16)
-      if (P.bf16 && (decode_bf16<DT>(P, P.items[i], ws) || prefill_bf16<DT>(P, P.items[i], ws))) continue;
+    // bfloat16 q: the caches are bfloat16, float8 or int8, all read by the VDPBF16PS paths
+    if constexpr (std::is_same_v<T, c10::BFloat16> && DT > 0 && V == 16)
+      if (P.bf16 && (decode_bf16<DT, KT>(P, P.items[i], ws) || prefill_bf16<DT, KT>(P, P.items[i], ws))) continue;
     run_item<T, KT, DT, V>(P, P.items[i], ws);
   }
 }
 
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
-enum KvType { KV_SAME = 0, KV_E4M3 = 1, KV_E5M2 = 2 };  // the caches: q's dtype, or float8
+enum KvType { KV_SAME = 0, KV_E4M3 = 1, KV_E5M2 = 2, KV_I8 = 3 };  // the caches: q's dtype, float8 or int8
 
 // head_dim 64 and 128 get their own code (accumulators in registers) when SPEC; others take the generic loops
 template <typename T, typename KT, bool SPEC, int V>
@@ -417,6 +436,7 @@ template <typename T, bool SPEC, int V>
 BR_INLINE void work_kv(const Params& P, KvType kv, std::atomic<int>& next, float* ws) {
   if (kv == KV_E4M3) return work_d<T, c10::Float8_e4m3fn, SPEC, V>(P, next, ws);
   if (kv == KV_E5M2) return work_d<T, c10::Float8_e5m2, SPEC, V>(P, next, ws);
+  if (kv == KV_I8) return work_d<T, int8_t, SPEC, V>(P, next, ws);
   work_d<T, T, SPEC, V>(P, next, ws);
 }
 // Dispatch on q's dtype, the caches' and head_dim; instantiated once per ISA below (float16: generic loops).
@@ -502,18 +522,22 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   BR_CHECK(st == ScalarType::Float || st == ScalarType::BFloat16 || st == ScalarType::Half,
            "dtype must be float32, bfloat16 or float16");
   const ScalarType kst = k_cache.scalar_type();
-  const KvType kv = kst == ScalarType::Float8_e4m3fn ? KV_E4M3 : kst == ScalarType::Float8_e5m2 ? KV_E5M2 : KV_SAME;
+  const KvType kv = kst == ScalarType::Float8_e4m3fn ? KV_E4M3 : kst == ScalarType::Float8_e5m2 ? KV_E5M2
+                    : kst == ScalarType::Char ? KV_I8 : KV_SAME;
   BR_CHECK((kv != KV_SAME || kst == st) && v_cache.scalar_type() == kst,
-           "q, k_cache, v_cache dtypes differ (the caches may be float8_e4m3fn or float8_e5m2 instead)");
+           "q, k_cache, v_cache dtypes differ (the caches may be float8_e4m3fn, float8_e5m2 or int8 instead)");
   BR_CHECK(std::isfinite(scale) && scale > 0, "scale must be positive, got ", scale);  // max(scale s) = scale max(s)
   BR_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
            "k_scale and v_scale must be positive");
-  BR_CHECK(kv != KV_SAME || (k_scale == 1.0 && v_scale == 1.0), "k_scale and v_scale apply to float8 caches only");
+  BR_CHECK((kv != KV_SAME && kv != KV_I8) || (k_scale == 1.0 && v_scale == 1.0),
+           "k_scale and v_scale apply to float8 caches only");
   BR_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
            "the head dimension must be contiguous");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t nblocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2);
-  BR_CHECK(k_cache.size(3) == D, "head_dim of q (", D, ") and of the cache (", k_cache.size(3), ") differ");
+  const int64_t width = kv == KV_I8 ? i8_row(D) : D;
+  BR_CHECK(k_cache.size(3) == width, "head_dim of q (", D, ") and of the cache (", k_cache.size(3), ") differ",
+           kv == KV_I8 ? " (an int8 cache's rows are head_dim codes and 2 bytes per 32 of them)" : "");
   BR_CHECK(Hkv > 0 && Hq % Hkv == 0, "num query heads (", Hq, ") must be a multiple of num KV heads (", Hkv, ")");
   BR_CHECK(bs > 0 && D > 0, "empty block_size or head_dim");
   for (const Tensor* t : {&query_start_loc, &seq_lens, &block_tables})
@@ -685,9 +709,25 @@ void quantize_row(const S* BR_RESTRICT src, F8* BR_RESTRICT dst, int64_t D, floa
     dst[d] = F8(x > mx ? mx : x < -mx ? -mx : x);
   }
 }
-template <typename F8>
+// one row of D values as an int8 cache row: per group of 32, s = float16(min(max|x| / 127, 65504)), codes
+// nearbyint(x * (1 / float(s))) clamped to +-127 (0 where s is 0), then the scales (kernels/kv_quant.py)
+template <typename S>
+void quantize_row(const S* BR_RESTRICT src, int8_t* BR_RESTRICT dst, int64_t D, float) {
+  char* sp = reinterpret_cast<char*>(dst + D);
+  for (int64_t g0 = 0; g0 < D; g0 += I8_GROUP, sp += 2) {
+    const int64_t g1 = std::min<int64_t>(D, g0 + I8_GROUP);
+    float amax = 0.0f;
+    for (int64_t d = g0; d < g1; ++d) amax = std::max(amax, std::fabs(to_f(src[d])));
+    const c10::Half h(std::min(amax / 127.0f, 65504.0f));
+    const float sf = to_f(h), inv = sf > 0.0f ? 1.0f / sf : 0.0f;
+    for (int64_t d = g0; d < g1; ++d)
+      dst[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(to_f(src[d]) * inv))));
+    std::memcpy(sp, &h, 2);
+  }
+}
+template <typename C>
 void quantize_row_any(ScalarType st, const char* src, char* dst, int64_t D, float inv) {
-  F8* out = reinterpret_cast<F8*>(dst);
+  C* out = reinterpret_cast<C*>(dst);
   if (st == ScalarType::Float) quantize_row(reinterpret_cast<const float*>(src), out, D, inv);
   else if (st == ScalarType::BFloat16) quantize_row(reinterpret_cast<const c10::BFloat16*>(src), out, D, inv);
   else quantize_row(reinterpret_cast<const c10::Half*>(src), out, D, inv);
@@ -695,7 +735,8 @@ void quantize_row_any(ScalarType st, const char* src, char* dst, int64_t D, floa
 
 // k, v [T, Hkv, D] (a view of the qkv projection is fine) into the caches [N, bs, Hkv, D] at slot_mapping [T]
 // int64 (block * bs + offset); a negative slot is padding and skipped. One call stores both. Float8 caches
-// take k / k_scale and v / v_scale (see the top of this file); others a copy (the scales must then be 1).
+// take k / k_scale and v / v_scale (see the top of this file), int8 ones codes and group scales ([N, bs, Hkv,
+// D + 2 * ceil(D / 32)]); others a copy (the scales must be 1 unless the caches are float8).
 void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping, double k_scale,
               double v_scale) {
   STD_TORCH_CHECK(k.is_cpu() && v.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() && slot_mapping.is_cpu(),
@@ -704,10 +745,12 @@ void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_ma
                   "store_kv: k, v must be [T, Hkv, D] and the caches [N, bs, Hkv, D]");
   const ScalarType st = k.scalar_type(), cst = k_cache.scalar_type();
   const bool e4m3 = cst == ScalarType::Float8_e4m3fn, fp8 = e4m3 || cst == ScalarType::Float8_e5m2;
-  STD_TORCH_CHECK(v.scalar_type() == st && v_cache.scalar_type() == cst && (cst == st || fp8),
-                  "store_kv: k and v must share a dtype, and the caches that dtype or float8_e4m3fn / float8_e5m2");
-  STD_TORCH_CHECK(st == ScalarType::Float || st == ScalarType::BFloat16 || st == ScalarType::Half || !fp8,
-                  "store_kv: float8 caches take float32, bfloat16 or float16 k and v");
+  const bool i8 = cst == ScalarType::Char;
+  STD_TORCH_CHECK(v.scalar_type() == st && v_cache.scalar_type() == cst && (cst == st || fp8 || i8),
+                  "store_kv: k and v must share a dtype, and the caches that dtype, float8_e4m3fn / float8_e5m2 "
+                  "or int8");
+  STD_TORCH_CHECK(st == ScalarType::Float || st == ScalarType::BFloat16 || st == ScalarType::Half || !(fp8 || i8),
+                  "store_kv: float8 and int8 caches take float32, bfloat16 or float16 k and v");
   STD_TORCH_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0 &&
                       (fp8 || (k_scale == 1.0 && v_scale == 1.0)),
                   "store_kv: k_scale and v_scale must be positive, and 1 unless the caches are float8");
@@ -716,7 +759,8 @@ void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_ma
     STD_TORCH_CHECK(v.size(i) == k.size(i), "store_kv: k and v shapes differ");
   for (int i = 0; i < 4; ++i)
     STD_TORCH_CHECK(v_cache.size(i) == k_cache.size(i), "store_kv: k_cache and v_cache shapes differ");
-  STD_TORCH_CHECK(k_cache.size(2) == H && k_cache.size(3) == D, "store_kv: k, v heads/head_dim differ from the cache");
+  STD_TORCH_CHECK(k_cache.size(2) == H && k_cache.size(3) == (i8 ? i8_row(D) : D),
+                  "store_kv: k, v heads/head_dim differ from the cache");
   STD_TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
                   "store_kv: the head dimension must be contiguous");
   STD_TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.is_contiguous() &&
@@ -747,7 +791,10 @@ void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_ma
         char* vd = vc + (blk * vc0 + off * vc1 + h * vc2) * cesz;
         const char* ks = kp + (t * ks0 + h * ks1) * esz;
         const char* vs = vp + (t * vs0 + h * vs1) * esz;
-        if (!fp8) {
+        if (i8) {
+          quantize_row_any<int8_t>(st, ks, kd, D, 1.0f);
+          quantize_row_any<int8_t>(st, vs, vd, D, 1.0f);
+        } else if (!fp8) {
           std::memcpy(kd, ks, D * esz);
           std::memcpy(vd, vs, D * esz);
         } else if (e4m3) {

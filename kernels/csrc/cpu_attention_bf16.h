@@ -11,6 +11,12 @@
 // dims, p rounded to bfloat16 for this product as torch's CPU flash attention and llama.cpp round it; the
 // accumulator stays in float. The generic loops of cpu_attention.cpp spent ~0.5 us per 16-key tile at 4
 // query rows (Zen 4) converting tiles into scratch and summing lanes.
+//
+// Quantized caches (float8, int8) take these paths too: KvRows<KT> converts each tile's K and V rows to
+// bfloat16 into a two-tile ring as it locates them (a tile ahead), and the kernels read the ring. Float8
+// codes are bfloat16 values exactly (k_scale and v_scale are folded in as on the generic path); an int8
+// code times its group's float16 scale is rounded to bfloat16 (2^-9 relative: below the int8 step, 2^-8 of
+// the group's largest value).
 #pragma once
 
 #ifdef BR_X86_DISPATCH
@@ -31,22 +37,105 @@ inline bool cpu_has_avx512_bf16() {
 
 alignas(64) const uint16_t kZeroRow[128] = {};  // the rows of a short tile past its last key (D <= 128)
 
+// DT values of a quantized cache row as bfloat16 (see the top of this file)
+template <int DT>
+BR_BF16_ATTN BR_INLINE void row_to_bf16(const int8_t* src, uint16_t* dst) {
+  const char* sp = reinterpret_cast<const char*>(src + DT);  // the groups' float16 scales follow the codes
+#pragma GCC unroll 4
+  for (int g0 = 0; g0 < DT; g0 += I8_GROUP, sp += 2) {
+    c10::Half hs;
+    std::memcpy(&hs, sp, 2);
+    const __m512 s = _mm512_set1_ps(to_f(hs));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + g0))));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + g0 + 16))));
+    _mm512_storeu_si512(dst + g0, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s), _mm512_mul_ps(lo, s)));
+  }
+}
+// the bfloat16 bits of each float8 code's magnitude (codes 0 .. 127): exact, float8 values are bf16 values
+template <typename F8>
+const uint16_t* fp8_bf16_table() {
+  alignas(64) static const struct T {
+    uint16_t v[128];
+    T() {
+      for (int c = 0; c < 128; ++c) {
+        F8 x;
+        std::memcpy(&x, &c, 1);  // little-endian: the code's byte
+        const float f = to_f(x);
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        v[c] = static_cast<uint16_t>(u >> 16);
+      }
+    }
+  } table;
+  return table.v;
+}
+// 32 codes at a time: a 128-entry word lookup (two 64-entry VPERMT2W, picked by bit 6), the sign put back
+template <int DT, typename F8>
+BR_BF16_ATTN BR_INLINE void row_to_bf16(const F8* src, uint16_t* dst) {
+  const uint16_t* tab = fp8_bf16_table<F8>();
+  const __m512i t0 = _mm512_load_si512(tab), t1 = _mm512_load_si512(tab + 32);
+  const __m512i t2 = _mm512_load_si512(tab + 64), t3 = _mm512_load_si512(tab + 96);
+#pragma GCC unroll 4
+  for (int d = 0; d < DT; d += 32) {
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d)));
+    const __m512i lo = _mm512_permutex2var_epi16(t0, c, t1), hi = _mm512_permutex2var_epi16(t2, c, t3);
+    const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40)), lo, hi);
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
+    _mm512_storeu_si512(dst + d, _mm512_or_si512(mag, sign));
+  }
+}
+
+// Floats of scratch a quantized cache's ring takes (2 tiles x K, V x 16 rows x DT bfloat16), and where it
+// starts in an item's scratch ws: past what scratch_floats reserves for the rest (see scratch_floats)
+constexpr int ring_floats(int DT) { return 2 * 2 * 16 * DT / 2; }
+inline uint16_t* ring_of(float* ws, int rows, int DT) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(ws + scratch_floats(rows, DT) - ring_floats(DT) - 16);
+  return reinterpret_cast<uint16_t*>((p + 63) & ~uintptr_t(63));
+}
+
 // Where one sequence's K and V rows of one KV head lie: locate() fills the row pointers of keys [k0, k0 + n)
 // of a 16-key tile, kZeroRow past n (block ids were checked against the cache before the parallel region).
+// KT: the caches' type; other than bfloat16, the rows are converted into ring slot `slot` and point there,
+// and the `after` keys of the tile after this one are prefetched from the cache (the kernels prefetch the
+// ring's rows otherwise, which conversion has just written).
+template <int DT, typename KT>
 struct KvRows {
+  static constexpr bool kConvert = !std::is_same_v<KT, c10::BFloat16>;
   const int32_t* table;
   int bs;
-  const uint16_t* k;  // the caches, offset to the head
-  const uint16_t* v;
+  const KT* k;  // the caches, offset to the head
+  const KT* v;
   int64_t ks0, ks1, vs0, vs1;
-  KvRows(const Params& P, int b, int h)
+  uint16_t* ring;  // [2][2][16][DT] when converting
+  KvRows(const Params& P, int b, int h, uint16_t* ring_)
       : table(P.bt + static_cast<int64_t>(b) * P.bts0), bs(P.bs),
-        k(static_cast<const uint16_t*>(P.k) + static_cast<int64_t>(h) * P.ks2),
-        v(static_cast<const uint16_t*>(P.v) + static_cast<int64_t>(h) * P.vs2),
-        ks0(P.ks0), ks1(P.ks1), vs0(P.vs0), vs1(P.vs1) {}
-  BR_INLINE void locate(int k0, int n, const uint16_t** kr, const uint16_t** vr) const {
+        k(static_cast<const KT*>(P.k) + static_cast<int64_t>(h) * P.ks2),
+        v(static_cast<const KT*>(P.v) + static_cast<int64_t>(h) * P.vs2),
+        ks0(P.ks0), ks1(P.ks1), vs0(P.vs0), vs1(P.vs1), ring(ring_) {}
+  static constexpr int kRawBytes = std::is_same_v<KT, int8_t> ? DT + 2 * (DT / I8_GROUP) : DT * int(sizeof(KT));
+  BR_BF16_ATTN BR_INLINE void locate(int k0, int n, const uint16_t** kr, const uint16_t** vr, int slot,
+                                     int after = 0) const {
     int bi = k0 / bs, off = k0 - bi * bs;
     int64_t blk = table[bi];
+    if constexpr (kConvert) {
+      int pbi = (k0 + 16) / bs, poff = k0 + 16 - pbi * bs;
+      for (int j = 0; j < after; ++j, ++poff) {
+        if (poff == bs) {
+          ++pbi;
+          poff = 0;
+        }
+        const int64_t pblk = table[pbi];
+        const char* kq = reinterpret_cast<const char*>(k + pblk * ks0 + poff * ks1);
+        const char* vq = reinterpret_cast<const char*>(v + pblk * vs0 + poff * vs1);
+        for (int c = 0; c < kRawBytes; c += 64) {
+          __builtin_prefetch(kq + c, 0, 1);
+          __builtin_prefetch(vq + c, 0, 1);
+        }
+        __builtin_prefetch(kq + kRawBytes - 1, 0, 1);  // a row may straddle a line
+        __builtin_prefetch(vq + kRawBytes - 1, 0, 1);
+      }
+    }
     for (int j = 0; j < 16; ++j, ++off) {
       if (j >= n) {
         kr[j] = vr[j] = kZeroRow;
@@ -56,8 +145,19 @@ struct KvRows {
         blk = table[++bi];
         off = 0;
       }
-      kr[j] = k + blk * ks0 + off * ks1;
-      vr[j] = v + blk * vs0 + off * vs1;
+      const KT* kq = k + blk * ks0 + off * ks1;
+      const KT* vq = v + blk * vs0 + off * vs1;
+      if constexpr (kConvert) {
+        uint16_t* kd = ring + ((slot * 2) * 16 + j) * DT;
+        uint16_t* vd = kd + 16 * DT;
+        row_to_bf16<DT>(kq, kd);
+        row_to_bf16<DT>(vq, vd);
+        kr[j] = kd;
+        vr[j] = vd;
+      } else {
+        kr[j] = reinterpret_cast<const uint16_t*>(kq);
+        vr[j] = reinterpret_cast<const uint16_t*>(vq);
+      }
     }
   }
 };
@@ -194,7 +294,7 @@ BR_BF16_ATTN BR_INLINE void unpermute_acc(float* acc, int R, int DT) {
 }
 
 // One work item (R query rows, head_dim DT in {64, 128}); ws: scratch of at least R x (DT + 8) floats.
-template <int DT, int R>
+template <int DT, int R, typename KT>
 BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, const Item& it, float* ws) {
   constexpr int NB = DT / 32;    // 16 x 16 blocks of 32-bit pairs per K row
   constexpr int NVC = DT / 16;   // float vectors per row
@@ -228,18 +328,20 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
   }
 
   const int window = P.window;
-  const KvRows rows_of(P, b, h);
+  const KvRows<DT, KT> rows_of(P, b, h, ring_of(ws, R, DT));
   const uint16_t* kp[2][16];
   const uint16_t* vp[2][16];
   const int row_bytes = DT * 2;
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 scale = _mm512_set1_ps(P.scale), ninf = _mm512_set1_ps(NEG_INF);
-  if (it.k0 < it.k1) rows_of.locate(it.k0, std::min(16, it.k1 - it.k0), kp[0], vp[0]);
+  if (it.k0 < it.k1) rows_of.locate(it.k0, std::min(16, it.k1 - it.k0), kp[0], vp[0], 0);
   int cur = 0;
   for (int k0 = it.k0; k0 < it.k1; k0 += 16, cur ^= 1) {
     const int n = std::min(16, it.k1 - k0);
     const int nn = k0 + 16 < it.k1 ? std::min(16, it.k1 - k0 - 16) : 0;
-    if (nn > 0) rows_of.locate(k0 + 16, nn, kp[cur ^ 1], vp[cur ^ 1]);
+    const int after = std::max(0, std::min(16, it.k1 - k0 - 32));     // keys of the tile after the next
+    if (nn > 0) rows_of.locate(k0 + 16, nn, kp[cur ^ 1], vp[cur ^ 1], cur ^ 1, after);
+    const int pf = KvRows<DT, KT>::kConvert ? 0 : nn;                  // next tile's rows to prefetch here
 
     // scores: lane j of s[r] is q_r . k_j
     __m512 s[R][A];
@@ -252,7 +354,7 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
       __m512i rows[16], cols[16];
 #pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
-        if (blk == 0 && j < nn)  // the next tile's K row
+        if (blk == 0 && j < pf)  // the next tile's K row
           for (int c = 0; c < row_bytes; c += 64)
             __builtin_prefetch(reinterpret_cast<const char*>(kp[cur ^ 1][j]) + c, 0, 1);
         rows[j] = _mm512_loadu_si512(kp[cur][j] + blk * 32);
@@ -299,7 +401,7 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
     constexpr int NR0 = R < 4 ? R : 4, NR1 = R - NR0;
 #pragma GCC unroll 2
     for (int c0 = 0; c0 < NVC; c0 += 4) {
-      pv_tile<DT, NR0>(acc, 0, c0, alpha, pb, PairsFromRows{vp[cur], vp[cur ^ 1], nn, row_bytes});
+      pv_tile<DT, NR0>(acc, 0, c0, alpha, pb, PairsFromRows{vp[cur], vp[cur ^ 1], pf, row_bytes});
       if constexpr (NR1 > 0) pv_tile<DT, NR1>(acc, NR0, c0, alpha, pb, PairsFromRows{vp[cur], vp[cur ^ 1], 0, row_bytes});
     }
   }
@@ -327,18 +429,18 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
 }
 
 // The item on this path when it has at most 8 query rows (true), else false: the generic loops take it.
-template <int DT>
+template <int DT, typename KT>
 bool decode_bf16(const Params& P, const Item& it, float* ws) {
   const Group& g = P.groups[it.group];
   switch ((g.t1 - g.t0) * P.G) {
-    case 1: decode_item_bf16<DT, 1>(P, it, ws); return true;
-    case 2: decode_item_bf16<DT, 2>(P, it, ws); return true;
-    case 3: decode_item_bf16<DT, 3>(P, it, ws); return true;
-    case 4: decode_item_bf16<DT, 4>(P, it, ws); return true;
-    case 5: decode_item_bf16<DT, 5>(P, it, ws); return true;
-    case 6: decode_item_bf16<DT, 6>(P, it, ws); return true;
-    case 7: decode_item_bf16<DT, 7>(P, it, ws); return true;
-    case 8: decode_item_bf16<DT, 8>(P, it, ws); return true;
+    case 1: decode_item_bf16<DT, 1, KT>(P, it, ws); return true;
+    case 2: decode_item_bf16<DT, 2, KT>(P, it, ws); return true;
+    case 3: decode_item_bf16<DT, 3, KT>(P, it, ws); return true;
+    case 4: decode_item_bf16<DT, 4, KT>(P, it, ws); return true;
+    case 5: decode_item_bf16<DT, 5, KT>(P, it, ws); return true;
+    case 6: decode_item_bf16<DT, 6, KT>(P, it, ws); return true;
+    case 7: decode_item_bf16<DT, 7, KT>(P, it, ws); return true;
+    case 8: decode_item_bf16<DT, 8, KT>(P, it, ws); return true;
     default: return false;
   }
 }
@@ -347,7 +449,7 @@ bool decode_bf16(const Params& P, const Item& it, float* ws) {
 
 #else
 namespace {
-template <int DT>
+template <int DT, typename KT>
 bool decode_bf16(const Params&, const Item&, float*) { return false; }
 inline bool cpu_has_avx512_bf16() { return false; }
 }  // namespace

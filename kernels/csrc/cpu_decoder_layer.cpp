@@ -128,7 +128,10 @@ void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln
                   "decoder_layer: kv_caches must be [L, 2, N, bs, Hkv, D] with a contiguous head dimension");
   STD_TORCH_CHECK(layer >= 0 && layer < kv_caches.size(0), "decoder_layer: layer ", layer, " is not one of ",
                   kv_caches.size(0));
-  const int64_t T = h.size(0), H = h.size(1), Hkv = kv_caches.size(4), D = kv_caches.size(5);
+  // an int8 cache's rows hold D codes and 2 bytes per 32 of them (kernels/kv_quant.py): D + 2 * ceil(D / 32)
+  const bool i8 = kv_caches.scalar_type() == ScalarType::Char;
+  const int64_t T = h.size(0), H = h.size(1), Hkv = kv_caches.size(4), RW = kv_caches.size(5);
+  const int64_t D = i8 ? RW - 2 * ((RW + 33) / 34) : RW;
   const int64_t q_size = num_heads * D, kv_size = Hkv * D, W = q_size + 2 * kv_size;
   STD_TORCH_CHECK(packed_n(qkv_wp) == W && packed_n(o_wp) == H && packed_n(down_wp) == H,
                   "decoder_layer: the packed weights do not match ", num_heads, " heads, ", Hkv,
@@ -140,11 +143,11 @@ void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln
   char* kv = static_cast<char*>(kv_caches.data_ptr()) + layer * kv_caches.stride(0) * esz;
   const int64_t N = kv_caches.size(2), bs = kv_caches.size(3);
   const int64_t cs2 = kv_caches.stride(2), cs3 = kv_caches.stride(3), cs4 = kv_caches.stride(4);
-  Tensor k_cache = over(kv, kv_caches, kvt, {N, bs, Hkv, D}, {cs2, cs3, cs4, 1});
-  Tensor v_cache = over(kv + kv_caches.stride(1) * esz, kv_caches, kvt, {N, bs, Hkv, D}, {cs2, cs3, cs4, 1});
+  Tensor k_cache = over(kv, kv_caches, kvt, {N, bs, Hkv, RW}, {cs2, cs3, cs4, 1});
+  Tensor v_cache = over(kv + kv_caches.stride(1) * esz, kv_caches, kvt, {N, bs, Hkv, RW}, {cs2, cs3, cs4, 1});
 
   if (seq_lens.scalar_type() == ScalarType::Int && block_tables.scalar_type() == ScalarType::Int &&
-      block_tables.dim() == 2 && cs3 == Hkv * D && cs4 == D)
+      block_tables.dim() == 2 && cs3 == Hkv * RW && cs4 == RW)
     prefetch_kv(kv, kv + kv_caches.stride(1) * esz, cs2 * esz, bs, N, seq_lens, block_tables, sliding_window);
 
   // input norm -> qkv projection -> RoPE of q and k in place -> K/V stored -> paged attention

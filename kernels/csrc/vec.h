@@ -150,6 +150,14 @@ BR_INLINE void vstore_bf16(c10::BFloat16* p, typename VT<V>::f x) {
 // value's exponent is rebased (e4m3: bias 7 -> 127, e5m2: 15 -> 127); a subnormal is its mantissa times
 // 2^-9 (e4m3) or 2^-16 (e5m2), converted as an integer (no float denormals, so flush-to-zero modes are moot);
 // e4m3fn's 0x7f is NaN, e5m2's top exponent inf/NaN, as in torch.
+// V int8 codes as floats (sign-extended, converted exactly)
+template <int V>
+BR_INLINE typename VT<V>::f vload_i8(const int8_t* p) {
+  typedef int8_t I8 __attribute__((vector_size(V)));
+  I8 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  return __builtin_convertvector(raw, typename VT<V>::f);
+}
 template <int V>
 BR_INLINE typename VT<V>::f vload_fp8(const c10::Float8_e4m3fn* p) {
   typedef typename VT<V>::u U32;
