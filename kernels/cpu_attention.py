@@ -6,7 +6,9 @@ query_start_loc[b]:query_start_loc[b+1] of q, the last qlen positions of its seq
 (causal offset seq_lens[b] - qlen); GQA when Hq is a multiple of Hkv; optional sliding window; float
 accumulation and online softmax; cost follows the sum of the contexts, and no K/V is copied.
 The caches may be float8 (kv_cache_dtype fp8: kernels/kv_quant.py) whatever q's dtype, read as value x k_scale /
-v_scale and converted in registers (no dequantised copy); store_kv quantises as kv_quant.quantize does.
+v_scale and converted in registers (no dequantised copy), or int8 rows [N, bs, Hkv, D + 2 ceil(D / 32)] of
+codes and float16 group scales (kv_cache_dtype int8); store_kv quantises as kv_quant.quantize /
+quantize_int8 do. The VDPBF16PS paths below read quantized rows converted to bfloat16 a tile ahead.
 paged_attention_ref is the same contract in plain torch (gather, mask, softmax), the op's reference.
 On AVX-512 BF16 CPUs, bfloat16 items with head_dim 64 or 128 run on VDPBF16PS (isa "avx512_bf16"; "avx512" caps
 a call to the generic loops, which tests compare it with): decode and verification (at most 8 query rows per
@@ -221,7 +223,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """k, v [T, Hkv, D] into k_cache, v_cache [N, bs, Hkv, D] at slot_mapping [T] int64 (block * bs + offset;
     negative: padding, skipped), in one call; k and v may be strided views (of the qkv projection). Float8
-    caches get kv_quant.quantize(k, dtype, k_scale) (and v's), bit for bit."""
+    caches get kv_quant.quantize(k, dtype, k_scale) (and v's), int8 caches kv_quant.quantize_int8(k), bit for
+    bit."""
     if not load():
         raise RuntimeError(f"CPU attention op unavailable: {_state['error']}")
     torch.ops.batchrun_cpu.store_kv(k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale))

@@ -725,12 +725,62 @@ void quantize_row(const S* BR_RESTRICT src, int8_t* BR_RESTRICT dst, int64_t D, 
     std::memcpy(sp, &h, 2);
   }
 }
+#ifdef BR_X86_DISPATCH
+#include <immintrin.h>
+// quantize_row's int8 form, 32 values at a time with AVX-512 (the same bytes: max, the float16 scale, then
+// i8_codes); a head_dim that is not a multiple of 32 takes the scalar loop
+#define BR_I8_STORE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+template <typename S>
+BR_I8_STORE BR_INLINE __m512 load16_f(const S* p) {
+  if constexpr (std::is_same_v<S, float>) return _mm512_loadu_ps(p);
+  else if constexpr (std::is_same_v<S, c10::Half>) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// 16 codes: x * inv clamped to +-127 (in float, so an infinity saturates as the scalar loop does), rounded by
+// VCVTPS2DQ (MXCSR's mode: to nearest even)
+BR_I8_STORE BR_INLINE __m128i i8_codes(__m512 x, __m512 inv) {
+  const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, inv), _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+  return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(y));
+}
+template <typename S>
+BR_I8_STORE void quantize_row_i8_avx512(const S* BR_RESTRICT src, int8_t* BR_RESTRICT dst, int64_t D) {
+  if (D % I8_GROUP != 0) return quantize_row(src, dst, D, 1.0f);
+  char* sp = reinterpret_cast<char*>(dst + D);
+  for (int64_t g0 = 0; g0 < D; g0 += I8_GROUP, sp += 2) {
+    const __m512 a = load16_f(src + g0), b = load16_f(src + g0 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const c10::Half h(std::min(amax / 127.0f, 65504.0f));
+    const float sf = to_f(h), inv = sf > 0.0f ? 1.0f / sf : 0.0f;
+    const __m512 vi = _mm512_set1_ps(inv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + g0), i8_codes(a, vi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + g0 + 16), i8_codes(b, vi));
+    std::memcpy(sp, &h, 2);
+  }
+}
+#endif
+// an int8 cache row by the widest code this CPU runs
+template <typename S>
+void quantize_row_i8(const S* BR_RESTRICT src, int8_t* BR_RESTRICT dst, int64_t D) {
+#ifdef BR_X86_DISPATCH
+  if (best_isa() >= 2) return quantize_row_i8_avx512(src, dst, D);
+#endif
+  quantize_row(src, dst, D, 1.0f);
+}
+
 template <typename C>
 void quantize_row_any(ScalarType st, const char* src, char* dst, int64_t D, float inv) {
   C* out = reinterpret_cast<C*>(dst);
   if (st == ScalarType::Float) quantize_row(reinterpret_cast<const float*>(src), out, D, inv);
   else if (st == ScalarType::BFloat16) quantize_row(reinterpret_cast<const c10::BFloat16*>(src), out, D, inv);
   else quantize_row(reinterpret_cast<const c10::Half*>(src), out, D, inv);
+}
+
+void quantize_row_i8_any(ScalarType st, const char* src, char* dst, int64_t D) {
+  int8_t* out = reinterpret_cast<int8_t*>(dst);
+  if (st == ScalarType::Float) quantize_row_i8(reinterpret_cast<const float*>(src), out, D);
+  else if (st == ScalarType::BFloat16) quantize_row_i8(reinterpret_cast<const c10::BFloat16*>(src), out, D);
+  else quantize_row_i8(reinterpret_cast<const c10::Half*>(src), out, D);
 }
 
 // k, v [T, Hkv, D] (a view of the qkv projection is fine) into the caches [N, bs, Hkv, D] at slot_mapping [T]
@@ -792,8 +842,8 @@ void store_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_ma
         const char* ks = kp + (t * ks0 + h * ks1) * esz;
         const char* vs = vp + (t * vs0 + h * vs1) * esz;
         if (i8) {
-          quantize_row_any<int8_t>(st, ks, kd, D, 1.0f);
-          quantize_row_any<int8_t>(st, vs, vd, D, 1.0f);
+          quantize_row_i8_any(st, ks, kd, D);
+          quantize_row_i8_any(st, vs, vd, D);
         } else if (!fp8) {
           std::memcpy(kd, ks, D * esz);
           std::memcpy(vd, vs, D * esz);
