@@ -51,6 +51,8 @@ struct VT {
   typedef uint32_t u __attribute__((vector_size(4 * V)));
   typedef uint16_t h __attribute__((vector_size(2 * V)));  // V bfloat16 bit patterns
   typedef uint8_t b __attribute__((vector_size(V)));       // V float8 bit patterns
+  typedef int8_t c __attribute__((vector_size(V)));        // V int8 codes
+  typedef int16_t s __attribute__((vector_size(2 * V)));
 };
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
@@ -125,6 +127,29 @@ BR_INLINE typename VT<V>::f vexp_nonpos(typename VT<V>::f x) {
   return x < lim ? F{} : vscale2<V>(p, n);
 }
 
+// V bytes widened to 32-bit lanes (sign- or zero-extended) in two steps: GCC scalarises a direct
+// __builtin_convertvector from 8-bit lanes (one VCVTSI2SS or VPINSRD per lane: attention on int8 and float8
+// caches measured 2.2-2.5x slower than on bf16), while 8 -> 16 -> 32 bits becomes VPMOVSXBW / VPMOVSXWD.
+template <int V>
+BR_INLINE typename VT<V>::i widen_i8(const int8_t* p) {
+  typename VT<V>::c raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const typename VT<V>::s w = __builtin_convertvector(raw, typename VT<V>::s);
+  return __builtin_convertvector(w, typename VT<V>::i);
+}
+template <int V>
+BR_INLINE typename VT<V>::u widen_u8(const uint8_t* p) {
+  typename VT<V>::b raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const typename VT<V>::h w = __builtin_convertvector(raw, typename VT<V>::h);
+  return __builtin_convertvector(w, typename VT<V>::u);
+}
+// V int8 codes as floats (sign-extended, converted exactly)
+template <int V>
+BR_INLINE typename VT<V>::f vload_i8(const int8_t* p) {
+  return __builtin_convertvector(widen_i8<V>(p), typename VT<V>::f);
+}
+
 // V bfloat16 values at p as V floats (a bfloat16 is the top half of a float)
 template <int V>
 BR_INLINE typename VT<V>::f vload_bf16(const c10::BFloat16* p) {
@@ -150,21 +175,11 @@ BR_INLINE void vstore_bf16(c10::BFloat16* p, typename VT<V>::f x) {
 // value's exponent is rebased (e4m3: bias 7 -> 127, e5m2: 15 -> 127); a subnormal is its mantissa times
 // 2^-9 (e4m3) or 2^-16 (e5m2), converted as an integer (no float denormals, so flush-to-zero modes are moot);
 // e4m3fn's 0x7f is NaN, e5m2's top exponent inf/NaN, as in torch.
-// V int8 codes as floats (sign-extended, converted exactly)
-template <int V>
-BR_INLINE typename VT<V>::f vload_i8(const int8_t* p) {
-  typedef int8_t I8 __attribute__((vector_size(V)));
-  I8 raw;
-  std::memcpy(&raw, p, sizeof raw);
-  return __builtin_convertvector(raw, typename VT<V>::f);
-}
 template <int V>
 BR_INLINE typename VT<V>::f vload_fp8(const c10::Float8_e4m3fn* p) {
   typedef typename VT<V>::u U32;
   typedef typename VT<V>::f F;
-  typename VT<V>::b raw;
-  std::memcpy(&raw, p, sizeof raw);
-  const U32 u = __builtin_convertvector(raw, U32);
+  const U32 u = widen_u8<V>(reinterpret_cast<const uint8_t*>(p));
   const U32 a = u & 0x7fu;
   const F sub = __builtin_convertvector(a, F) * (1.0f / 512.0f);
   U32 bits = (a >= 8u) ? (a << 20) + (120u << 23) : reinterpret_cast<const U32&>(sub);
@@ -176,9 +191,7 @@ template <int V>
 BR_INLINE typename VT<V>::f vload_fp8(const c10::Float8_e5m2* p) {
   typedef typename VT<V>::u U32;
   typedef typename VT<V>::f F;
-  typename VT<V>::b raw;
-  std::memcpy(&raw, p, sizeof raw);
-  const U32 u = __builtin_convertvector(raw, U32);
+  const U32 u = widen_u8<V>(reinterpret_cast<const uint8_t*>(p));
   const U32 a = u & 0x7fu;
   const F sub = __builtin_convertvector(a, F) * (1.0f / 65536.0f);
   U32 bits = (a >= 4u) ? (a << 21) + (112u << 23) : reinterpret_cast<const U32&>(sub);
