@@ -15,7 +15,7 @@ a call to the generic loops, which tests compare it with): decode and verificati
 KV head) score keys on K tiles transposed in registers; prefill chunks (more rows) also run p @ V on it, with p
 rounded to bfloat16 for that product as torch's CPU flash attention does.
 
-The source (csrc/cpu_attention.cpp, with csrc/cpu_layer_ops.cpp: one library) is compiled once per machine with torch.utils.cpp_extension and cached
+The source (csrc/cpu_attention.cpp, with csrc/cpu_kv_store.cpp, csrc/cpu_layer_ops.cpp and the rest: one library) is compiled once per machine with torch.utils.cpp_extension and cached
 under $BATCHRUN_EXTENSIONS_DIR, else $XDG_CACHE_HOME/batchrun/torch_extensions, else
 ~/.cache/batchrun/torch_extensions, in a folder keyed by the source, the flags, torch and Python. The build
 is portable (no -march=native: the kernel is compiled for AVX-512, AVX2 and the baseline and picks one at run
@@ -44,12 +44,12 @@ log = logging.getLogger(__name__)
 NAME = "batchrun_cpu_attention"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "cpu_attention.cpp"
-# one library: the attention op, the layer's elementwise ops (cpu_layer_ops.py), the bf16 projection
+# one library: the attention op and its K/V store, the layer's elementwise ops (cpu_layer_ops.py), the bf16 projection
 # (cpu_gemm.py), the whole layer composed of them (cpu_decoder_layer.py), greedy argmax (cpu_argmax.py)
 # and their shared headers
 EXTRA_SOURCES = [CSRC / "cpu_attention_sdpa.cpp", CSRC / "cpu_layer_ops.cpp", CSRC / "cpu_gemm.cpp",
                  CSRC / "cpu_gemm_avx2.cpp", CSRC / "cpu_decoder_layer.cpp", CSRC / "cpu_argmax.cpp",
-                 CSRC / "cpu_w8a8.cpp"]
+                 CSRC / "cpu_w8a8.cpp", CSRC / "cpu_kv_store.cpp"]
 HEADERS = [CSRC / "vec.h", CSRC / "ops.h", CSRC / "cpu_gemm_avx2.h", CSRC / "cpu_attention_bf16.h",
            CSRC / "cpu_attention_bf16_prefill.h"]
 # -O2: the hot loops use explicit vector types, so -O3 buys nothing here but triples the build time.

@@ -131,7 +131,7 @@ void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln
   // an int8 cache's rows hold D codes and 2 bytes per 32 of them (kernels/kv_quant.py): D + 2 * ceil(D / 32)
   const bool i8 = kv_caches.scalar_type() == ScalarType::Char;
   const int64_t T = h.size(0), H = h.size(1), Hkv = kv_caches.size(4), RW = kv_caches.size(5);
-  const int64_t D = i8 ? RW - 2 * ((RW + 33) / 34) : RW;
+  const int64_t D = i8 ? i8_head_dim(RW) : RW;
   const int64_t q_size = num_heads * D, kv_size = Hkv * D, W = q_size + 2 * kv_size;
   STD_TORCH_CHECK(packed_n(qkv_wp) == W && packed_n(o_wp) == H && packed_n(down_wp) == H,
                   "decoder_layer: the packed weights do not match ", num_heads, " heads, ", Hkv,

@@ -42,6 +42,11 @@ BR_INLINE float to_f(c10::Float8_e5m2 x) { return static_cast<float>(x); }
 template <typename T>
 constexpr bool is_fp8 = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
 
+// an int8 KV cache row (kernels/kv_quant.py): head_dim codes, then a float16 scale per group of I8_GROUP
+constexpr int I8_GROUP = 32;
+inline int64_t i8_row(int64_t D) { return D + 2 * ((D + I8_GROUP - 1) / I8_GROUP); }
+inline int64_t i8_head_dim(int64_t row) { return row - 2 * ((row + I8_GROUP + 1) / (I8_GROUP + 2)); }
+
 // ---- vectors: GCC/Clang vector extensions of V floats, V = 16 (AVX-512: one zmm), 8 (AVX2: one ymm) or 4
 // (SSE, NEON): one register each, so the accumulators below stay in registers on every ISA ----
 template <int V>
