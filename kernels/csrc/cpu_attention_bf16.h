@@ -97,8 +97,8 @@ inline uint16_t* ring_of(float* ws, int rows, int DT) {
 // Where one sequence's K and V rows of one KV head lie: locate() fills the row pointers of keys [k0, k0 + n)
 // of a 16-key tile, kZeroRow past n (block ids were checked against the cache before the parallel region).
 // KT: the caches' type; other than bfloat16, the rows are converted into ring slot `slot` and point there,
-// and the `after` keys of the tile after this one are prefetched from the cache (the kernels prefetch the
-// ring's rows otherwise, which conversion has just written).
+// and the raw rows of the `after` keys of the tile after this one are prefetched here (for a bf16 cache the
+// kernels prefetch the next tile's rows themselves; converted rows are in the ring, just written).
 template <int DT, typename KT>
 struct KvRows {
   static constexpr bool kConvert = !std::is_same_v<KT, c10::BFloat16>;
