@@ -35,10 +35,11 @@ def _greedy(path: str, **kw) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-# llama (2 KV heads) under the tight budget with every feature on; qwen2's q/k/v bias; qwen3's q/k norms.
+# llama (2 KV heads) under the tight budget with every feature on; qwen2's q/k/v bias; qwen3's q/k norms, on
+# an int8 KV cache (quantized per head row: a rank's rows are its share of the same bytes).
 # (mistral's window is per head, unchanged by the split: its attention path is llama's.)
-@pytest.mark.parametrize("arch,kw", [("qwen2", {}), ("qwen3", {}), ("llama", TIGHT)],
-                         ids=["qwen2", "qwen3", "llama-tight"])
+@pytest.mark.parametrize("arch,kw", [("qwen2", {}), ("qwen3", {"kv_cache_dtype": "int8"}), ("llama", TIGHT)],
+                         ids=["qwen2", "qwen3-kv-int8", "llama-tight"])
 def test_two_ranks_generate_what_one_does(hf_models, arch, kw):
     path = hf_models[arch][0]
     assert _greedy(path, tensor_parallel_size=2, **kw) == _greedy(path, **kw)
