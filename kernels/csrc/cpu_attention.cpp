@@ -55,6 +55,7 @@ constexpr int SMALL_R = 8;     // fewer query rows per group than this: per-key 
 constexpr int MAX_ROWS = 64;   // query rows (tokens x group size) per group, unless one token's group is larger
 constexpr int PART_KEYS = 512; // shortest key span worth a partition of its own
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+enum KvType { KV_SAME = 0, KV_E4M3 = 1, KV_E5M2 = 2, KV_I8 = 3 };  // the caches: q's dtype, float8 or int8
 
 struct Group {
   int b, h, t0, t1, lo, hi;  // sequence, KV head, query tokens [t0, t1) of the sequence, keys [lo, hi)
@@ -90,6 +91,7 @@ struct Params {
   float* part_stats;  // [slots, max_rows, 2]: running max, sum
   float* part_acc;    // [slots, max_rows, D]
   bool bf16;          // bfloat16 items take cpu_attention_bf16.h's (<= 8 query rows) or _bf16_prefill.h's path
+  KvType kv;          // the caches: those paths convert float8 and int8 rows as they load them
 };
 
 template <typename T>
@@ -410,13 +412,12 @@ BR_INLINE void work(const Params& P, std::atomic<int>& next, float* ws) {
        i = next.fetch_add(1, std::memory_order_relaxed)) {
     // bfloat16 q: the caches are bfloat16, float8 or int8, all read by the VDPBF16PS paths
     if constexpr (std::is_same_v<T, c10::BFloat16> && DT > 0 && V == 16)
-      if (P.bf16 && (decode_bf16<DT, KT>(P, P.items[i], ws) || prefill_bf16<DT, KT>(P, P.items[i], ws))) continue;
+      if (P.bf16 && (decode_bf16<DT>(P, P.items[i], ws) || prefill_bf16<DT>(P, P.items[i], ws))) continue;
     run_item<T, KT, DT, V>(P, P.items[i], ws);
   }
 }
 
 enum Dtype { F32 = 0, BF16 = 1, F16 = 2 };
-enum KvType { KV_SAME = 0, KV_E4M3 = 1, KV_E5M2 = 2, KV_I8 = 3 };  // the caches: q's dtype, float8 or int8
 
 // head_dim 64 and 128 get their own code (accumulators in registers) when SPEC; others take the generic loops
 template <typename T, typename KT, bool SPEC, int V>
@@ -429,9 +430,12 @@ BR_INLINE void work_d(const Params& P, std::atomic<int>& next, float* ws) {
 }
 template <typename T, bool SPEC, int V>
 BR_INLINE void work_kv(const Params& P, KvType kv, std::atomic<int>& next, float* ws) {
-  if (kv == KV_E4M3) return work_d<T, c10::Float8_e4m3fn, SPEC, V>(P, next, ws);
-  if (kv == KV_E5M2) return work_d<T, c10::Float8_e5m2, SPEC, V>(P, next, ws);
-  if (kv == KV_I8) return work_d<T, int8_t, SPEC, V>(P, next, ws);
+  // float32 q over a quantized cache (a reference setting, not a fast one) keeps the generic head_dim: fewer
+  // copies of the kernel to compile
+  constexpr bool QSPEC = SPEC && !std::is_same_v<T, float>;
+  if (kv == KV_E4M3) return work_d<T, c10::Float8_e4m3fn, QSPEC, V>(P, next, ws);
+  if (kv == KV_E5M2) return work_d<T, c10::Float8_e5m2, QSPEC, V>(P, next, ws);
+  if (kv == KV_I8) return work_d<T, int8_t, QSPEC, V>(P, next, ws);
   work_d<T, T, SPEC, V>(P, next, ws);
 }
 // Dispatch on q's dtype, the caches' and head_dim; instantiated once per ISA below (float16: generic loops).
@@ -665,6 +669,7 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
   const int64_t best = attention_isa();  // 3: AVX-512 with the bfloat16 path
   const int use_isa = static_cast<int>(isa < 0 ? best : std::min(isa, best));
   P.bf16 = use_isa == 3;
+  P.kv = kv;
   const size_t ws_floats = scratch_floats(max_rows, static_cast<int>(D));
   std::atomic<int> next{0};
   const int64_t nworkers = std::min<int64_t>(nthreads, P.nitems);

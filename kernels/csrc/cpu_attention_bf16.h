@@ -96,29 +96,40 @@ inline uint16_t* ring_of(float* ws, int rows, int DT) {
 
 // Where one sequence's K and V rows of one KV head lie: locate() fills the row pointers of keys [k0, k0 + n)
 // of a 16-key tile, kZeroRow past n (block ids were checked against the cache before the parallel region).
-// KT: the caches' type; other than bfloat16, the rows are converted into ring slot `slot` and point there,
-// and the raw rows of the `after` keys of the tile after this one are prefetched here (for a bf16 cache the
-// kernels prefetch the next tile's rows themselves; converted rows are in the ring, just written).
-template <int DT, typename KT>
+// A quantized cache (P.kv: float8 or int8, a run-time choice per tile, so these paths are compiled once per
+// head_dim) has its rows converted into ring slot `slot`, the pointers aimed there, and the raw rows of the
+// `after` keys of the tile after this one prefetched here (for a bf16 cache the kernels prefetch the next
+// tile's rows themselves; converted rows are in the ring, just written).
+template <int DT>
 struct KvRows {
-  static constexpr bool kConvert = !std::is_same_v<KT, c10::BFloat16>;
   const int32_t* table;
   int bs;
-  const KT* k;  // the caches, offset to the head
-  const KT* v;
-  int64_t ks0, ks1, vs0, vs1;
+  const char* k;  // the caches, offset to the head
+  const char* v;
+  int64_t ks0, ks1, vs0, vs1;  // byte strides
   uint16_t* ring;  // [2][2][16][DT] when converting
+  KvType kind;     // KV_SAME: bfloat16
+  int raw_bytes;   // one row's bytes in the cache
+  bool convert;
   KvRows(const Params& P, int b, int h, uint16_t* ring_)
-      : table(P.bt + static_cast<int64_t>(b) * P.bts0), bs(P.bs),
-        k(static_cast<const KT*>(P.k) + static_cast<int64_t>(h) * P.ks2),
-        v(static_cast<const KT*>(P.v) + static_cast<int64_t>(h) * P.vs2),
-        ks0(P.ks0), ks1(P.ks1), vs0(P.vs0), vs1(P.vs1), ring(ring_) {}
-  static constexpr int kRawBytes = std::is_same_v<KT, int8_t> ? DT + 2 * (DT / I8_GROUP) : DT * int(sizeof(KT));
+      : table(P.bt + static_cast<int64_t>(b) * P.bts0), bs(P.bs), ring(ring_), kind(P.kv),
+        raw_bytes(P.kv == KV_I8 ? static_cast<int>(i8_row(DT)) : P.kv == KV_SAME ? 2 * DT : DT),
+        convert(P.kv != KV_SAME) {
+    const int64_t esz = P.kv == KV_SAME ? 2 : 1;
+    k = static_cast<const char*>(P.k) + static_cast<int64_t>(h) * P.ks2 * esz;
+    v = static_cast<const char*>(P.v) + static_cast<int64_t>(h) * P.vs2 * esz;
+    ks0 = P.ks0 * esz, ks1 = P.ks1 * esz, vs0 = P.vs0 * esz, vs1 = P.vs1 * esz;
+  }
+  BR_BF16_ATTN BR_INLINE void to_bf16(const char* src, uint16_t* dst) const {
+    if (kind == KV_I8) row_to_bf16<DT>(reinterpret_cast<const int8_t*>(src), dst);
+    else if (kind == KV_E4M3) row_to_bf16<DT>(reinterpret_cast<const c10::Float8_e4m3fn*>(src), dst);
+    else row_to_bf16<DT>(reinterpret_cast<const c10::Float8_e5m2*>(src), dst);
+  }
   BR_BF16_ATTN BR_INLINE void locate(int k0, int n, const uint16_t** kr, const uint16_t** vr, int slot,
                                      int after = 0) const {
     int bi = k0 / bs, off = k0 - bi * bs;
     int64_t blk = table[bi];
-    if constexpr (kConvert) {
+    if (convert) {
       int pbi = (k0 + 16) / bs, poff = k0 + 16 - pbi * bs;
       for (int j = 0; j < after; ++j, ++poff) {
         if (poff == bs) {
@@ -126,14 +137,14 @@ struct KvRows {
           poff = 0;
         }
         const int64_t pblk = table[pbi];
-        const char* kq = reinterpret_cast<const char*>(k + pblk * ks0 + poff * ks1);
-        const char* vq = reinterpret_cast<const char*>(v + pblk * vs0 + poff * vs1);
-        for (int c = 0; c < kRawBytes; c += 64) {
+        const char* kq = k + pblk * ks0 + poff * ks1;
+        const char* vq = v + pblk * vs0 + poff * vs1;
+        for (int c = 0; c < raw_bytes; c += 64) {
           __builtin_prefetch(kq + c, 0, 1);
           __builtin_prefetch(vq + c, 0, 1);
         }
-        __builtin_prefetch(kq + kRawBytes - 1, 0, 1);  // a row may straddle a line
-        __builtin_prefetch(vq + kRawBytes - 1, 0, 1);
+        __builtin_prefetch(kq + raw_bytes - 1, 0, 1);  // a row may straddle a line
+        __builtin_prefetch(vq + raw_bytes - 1, 0, 1);
       }
     }
     for (int j = 0; j < 16; ++j, ++off) {
@@ -145,13 +156,13 @@ struct KvRows {
         blk = table[++bi];
         off = 0;
       }
-      const KT* kq = k + blk * ks0 + off * ks1;
-      const KT* vq = v + blk * vs0 + off * vs1;
-      if constexpr (kConvert) {
+      const char* kq = k + blk * ks0 + off * ks1;
+      const char* vq = v + blk * vs0 + off * vs1;
+      if (convert) {
         uint16_t* kd = ring + ((slot * 2) * 16 + j) * DT;
         uint16_t* vd = kd + 16 * DT;
-        row_to_bf16<DT>(kq, kd);
-        row_to_bf16<DT>(vq, vd);
+        to_bf16(kq, kd);
+        to_bf16(vq, vd);
         kr[j] = kd;
         vr[j] = vd;
       } else {
@@ -294,7 +305,7 @@ BR_BF16_ATTN BR_INLINE void unpermute_acc(float* acc, int R, int DT) {
 }
 
 // One work item (R query rows, head_dim DT in {64, 128}); ws: scratch of at least R x (DT + 8) floats.
-template <int DT, int R, typename KT>
+template <int DT, int R>
 BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, const Item& it, float* ws) {
   constexpr int NB = DT / 32;    // 16 x 16 blocks of 32-bit pairs per K row
   constexpr int NVC = DT / 16;   // float vectors per row
@@ -328,7 +339,7 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
   }
 
   const int window = P.window;
-  const KvRows<DT, KT> rows_of(P, b, h, ring_of(ws, R, DT));
+  const KvRows<DT> rows_of(P, b, h, ring_of(ws, R, DT));
   const uint16_t* kp[2][16];
   const uint16_t* vp[2][16];
   const int row_bytes = DT * 2;
@@ -341,7 +352,7 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
     const int nn = k0 + 16 < it.k1 ? std::min(16, it.k1 - k0 - 16) : 0;
     const int after = std::max(0, std::min(16, it.k1 - k0 - 32));     // keys of the tile after the next
     if (nn > 0) rows_of.locate(k0 + 16, nn, kp[cur ^ 1], vp[cur ^ 1], cur ^ 1, after);
-    const int pf = KvRows<DT, KT>::kConvert ? 0 : nn;                  // next tile's rows to prefetch here
+    const int pf = rows_of.convert ? 0 : nn;                           // next tile's rows to prefetch here
 
     // scores: lane j of s[r] is q_r . k_j
     __m512 s[R][A];
@@ -429,18 +440,18 @@ BR_BF16_ATTN __attribute__((noinline)) void decode_item_bf16(const Params& P, co
 }
 
 // The item on this path when it has at most 8 query rows (true), else false: the generic loops take it.
-template <int DT, typename KT>
+template <int DT>
 bool decode_bf16(const Params& P, const Item& it, float* ws) {
   const Group& g = P.groups[it.group];
   switch ((g.t1 - g.t0) * P.G) {
-    case 1: decode_item_bf16<DT, 1, KT>(P, it, ws); return true;
-    case 2: decode_item_bf16<DT, 2, KT>(P, it, ws); return true;
-    case 3: decode_item_bf16<DT, 3, KT>(P, it, ws); return true;
-    case 4: decode_item_bf16<DT, 4, KT>(P, it, ws); return true;
-    case 5: decode_item_bf16<DT, 5, KT>(P, it, ws); return true;
-    case 6: decode_item_bf16<DT, 6, KT>(P, it, ws); return true;
-    case 7: decode_item_bf16<DT, 7, KT>(P, it, ws); return true;
-    case 8: decode_item_bf16<DT, 8, KT>(P, it, ws); return true;
+    case 1: decode_item_bf16<DT, 1>(P, it, ws); return true;
+    case 2: decode_item_bf16<DT, 2>(P, it, ws); return true;
+    case 3: decode_item_bf16<DT, 3>(P, it, ws); return true;
+    case 4: decode_item_bf16<DT, 4>(P, it, ws); return true;
+    case 5: decode_item_bf16<DT, 5>(P, it, ws); return true;
+    case 6: decode_item_bf16<DT, 6>(P, it, ws); return true;
+    case 7: decode_item_bf16<DT, 7>(P, it, ws); return true;
+    case 8: decode_item_bf16<DT, 8>(P, it, ws); return true;
     default: return false;
   }
 }
@@ -449,7 +460,7 @@ bool decode_bf16(const Params& P, const Item& it, float* ws) {
 
 #else
 namespace {
-template <int DT, typename KT>
+template <int DT>
 bool decode_bf16(const Params&, const Item&, float*) { return false; }
 inline bool cpu_has_avx512_bf16() { return false; }
 }  // namespace

@@ -85,7 +85,7 @@ BR_BF16_ATTN BR_INLINE void prefill_scores(const uint32_t* qb, const int* pos, i
 
 // One work item of R > 8 rows, head_dim DT in {64, 128}. ws: scratch_floats(R, DT) floats, of which this uses
 // R (DT + 16 + 2 + 8 + DT / 2 + 1) + 16 DT + 16 (acc, ls, m and alpha, pb, qb, pos; kt and vpair, aligned)
-template <int DT, typename KT>
+template <int DT>
 BR_BF16_ATTN __attribute__((noinline)) void prefill_item_bf16(const Params& P, const Item& it, float* ws) {
   constexpr int NB = DT / 32, NVC = DT / 16;
   const Group& g = P.groups[it.group];
@@ -113,7 +113,7 @@ BR_BF16_ATTN __attribute__((noinline)) void prefill_item_bf16(const Params& P, c
   std::fill(m, m + R, NEG_INF);
 
   const int window = P.window;
-  const KvRows<DT, KT> rows_of(P, b, h, ring_of(ws, R, DT));
+  const KvRows<DT> rows_of(P, b, h, ring_of(ws, R, DT));
   const uint16_t* kp[2][16];
   const uint16_t* vp[2][16];
   if (it.k0 < it.k1) rows_of.locate(it.k0, std::min(16, it.k1 - it.k0), kp[0], vp[0], 0);
@@ -123,7 +123,7 @@ BR_BF16_ATTN __attribute__((noinline)) void prefill_item_bf16(const Params& P, c
     const int nn = k0 + 16 < it.k1 ? std::min(16, it.k1 - k0 - 16) : 0;
     if (nn > 0) {  // the next tile's rows, into L2 while this one computes
       rows_of.locate(k0 + 16, nn, kp[cur ^ 1], vp[cur ^ 1], cur ^ 1, std::max(0, std::min(16, it.k1 - k0 - 32)));
-      for (int j = 0; j < (KvRows<DT, KT>::kConvert ? 0 : nn); ++j)   // converted rows are in the ring already
+      for (int j = 0; j < (rows_of.convert ? 0 : nn); ++j)   // converted rows are in the ring already
         for (int c = 0; c < DT * 2; c += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(kp[cur ^ 1][j]) + c, 0, 1);
           __builtin_prefetch(reinterpret_cast<const char*>(vp[cur ^ 1][j]) + c, 0, 1);
@@ -183,11 +183,11 @@ BR_BF16_ATTN __attribute__((noinline)) void prefill_item_bf16(const Params& P, c
 #undef BR_ROWS_SWITCH
 
 // The item on this path when it has more than 8 query rows (true), else false.
-template <int DT, typename KT>
+template <int DT>
 bool prefill_bf16(const Params& P, const Item& it, float* ws) {
   const Group& g = P.groups[it.group];
   if ((g.t1 - g.t0) * P.G <= 8) return false;
-  prefill_item_bf16<DT, KT>(P, it, ws);
+  prefill_item_bf16<DT>(P, it, ws);
   return true;
 }
 
@@ -195,7 +195,7 @@ bool prefill_bf16(const Params& P, const Item& it, float* ws) {
 
 #else
 namespace {
-template <int DT, typename KT>
+template <int DT>
 bool prefill_bf16(const Params&, const Item&, float*) { return false; }
 }  // namespace
 #endif
