@@ -10,6 +10,7 @@ import torch
 
 from batchrun import LLM, SamplingParams
 from batchrun.kernels import cpu_attention
+from batchrun.kernels.kv_quant import KV_CACHE_DTYPES
 from batchrun.models.attention_choice import ATTENTION_ENV as CPU_ATTENTION_ENV
 from batchrun.models.loader import inspect_model
 from conftest import VOCAB, mixed_prompts
@@ -38,17 +39,19 @@ FEATURES = {
 }
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_fp8_engine_equals_the_reference_attention_engine(hf_models, monkeypatch, kv, feature):
+def test_quantized_kv_engine_equals_the_reference_attention_engine(hf_models, monkeypatch, kv, feature):
+    """float8 and int8 caches (tests/test_kv_int8.py: the int8 stores are bit-identical too)."""
     if not cpu_attention.load():
         pytest.skip("CPU attention op unavailable: the engine runs the reference path only")
     path = hf_models["llama"][0]
     kw = dict(FEATURES[feature])
     if "kv_blocks" in kw:
-        kw["kv_cache_memory"] = kv_budget(path, kw.pop("kv_blocks"), torch.float8_e4m3fn)
+        kw["kv_cache_memory"] = kv_budget(path, kw.pop("kv_blocks"), KV_CACHE_DTYPES[kv])
     ps = [{"prompt_token_ids": p} for p in prompts()]
     llm = LLM(path, dtype="float32", kv_cache_dtype=kv, **kw)
+    assert llm.engine.runner.kv_caches.dtype == KV_CACHE_DTYPES[kv]
     assert llm.engine.runner.backend.impl in ("op", "op?")
     got = llm.generate(ps, PARAMS, use_tqdm=False)
     st = llm.stats

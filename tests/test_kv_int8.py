@@ -1,6 +1,7 @@
 """An int8 KV cache (kv_cache_dtype int8: codes and a float16 scale per 32 values of each head's row, inline):
 the quantiser against a naive per-group loop, the store op against it bit for bit, every attention path
-against the float64 oracle on the dequantised rows, and engines. The generic loops read exactly those values
+against the float64 oracle on the dequantised rows, and engines (the op engine against the reference one:
+test_kv_fp8_engine, parametrized over int8). The generic loops read exactly those values
 (float(code) x float16 scale is exact in float32), so test_cpu_attention's tolerances hold; the AVX-512 BF16
 paths read them rounded to bfloat16 and must then equal the bf16 cache's kernel on the rounded rows bit for
 bit (and the oracle on them within test_cpu_attention's p-rounded bound).
@@ -16,7 +17,7 @@ from batchrun.models.loader import inspect_model
 from test_cpu_attention import HEADS, SCENARIOS, assert_close_p_rounded, make_batch, oracle
 from test_kv_fp8 import ca, close
 from test_job_common import tiny_model  # noqa: F401 - fixture
-from test_kv_fp8_engine import FEATURES, PARAMS, kv_budget, prompts
+from test_kv_fp8_engine import kv_budget
 
 I8 = torch.int8
 
@@ -158,32 +159,6 @@ def test_torch_backend_stores_and_attends_like_the_reference(impl):
     out = be.forward(q, kc, vc, meta, 0.004, None)
     close(out, paged_attention_ref(q, kc, vc, meta.query_start_loc, meta.seq_lens, bt, 0.004, None))
     assert be.impl == impl
-
-
-@pytest.mark.parametrize("feature", list(FEATURES))
-def test_int8_engine_equals_the_reference_attention_engine(hf_models, monkeypatch, feature):
-    """The op engine and the torch reference engine read the same int8 rows (the stores are bit-identical),
-    with chunked prefill, prefix caching and swap preemption (bfloat16's whole-layer op against the per-op
-    path: test_cpu_decoder_layer)."""
-    from batchrun.models.attention_choice import ATTENTION_ENV
-    ca()
-    path = hf_models["llama"][0]
-    kw = dict(FEATURES[feature])
-    if "kv_blocks" in kw:
-        kw["kv_cache_memory"] = kv_budget(path, kw.pop("kv_blocks"), I8)
-    ps = [{"prompt_token_ids": p} for p in prompts()]
-    llm = LLM(path, dtype="float32", kv_cache_dtype="int8", **kw)
-    assert llm.engine.runner.kv_caches.dtype == I8 and llm.engine.runner.backend.impl in ("op", "op?")
-    got = llm.generate(ps, PARAMS, use_tqdm=False)
-    st = llm.stats
-    if feature == "swap":
-        assert st["swapped_out_blocks"] > 0 and st["swapped_in_blocks"] == st["swapped_out_blocks"]
-    if feature == "prefix_caching":
-        assert st["prefix_cache_hits"] > 0
-    monkeypatch.setenv(ATTENTION_ENV, "torch")
-    ref = LLM(path, dtype="float32", kv_cache_dtype="int8", max_num_batched_tokens=64)
-    assert ref.engine.runner.backend.impl == "torch"
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref.generate(ps, PARAMS, use_tqdm=False)]
 
 
 def test_int8_bytes_in_the_ledger_and_the_blocks(hf_models):

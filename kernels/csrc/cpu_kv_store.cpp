@@ -41,7 +41,7 @@ void quantize_row(const S* BR_RESTRICT src, F8* BR_RESTRICT dst, int64_t D, floa
 // one row of D values as an int8 cache row: per group of 32, s = float16(min(max|x| / 127, 65504)), codes
 // nearbyint(x * (1 / float(s))) clamped to +-127 (0 where s is 0), then the scales (kernels/kv_quant.py)
 template <typename S>
-void quantize_row(const S* BR_RESTRICT src, int8_t* BR_RESTRICT dst, int64_t D, float) {
+void quantize_row(const S* BR_RESTRICT src, int8_t* BR_RESTRICT dst, int64_t D) {
   char* sp = reinterpret_cast<char*>(dst + D);
   for (int64_t g0 = 0; g0 < D; g0 += I8_GROUP, sp += 2) {
     const int64_t g1 = std::min<int64_t>(D, g0 + I8_GROUP);
@@ -73,7 +73,7 @@ BR_I8_STORE BR_INLINE __m128i i8_codes(__m512 x, __m512 inv) {
 }
 template <typename S>
 BR_I8_STORE void quantize_row_i8_avx512(const S* BR_RESTRICT src, int8_t* BR_RESTRICT dst, int64_t D) {
-  if (D % I8_GROUP != 0) return quantize_row(src, dst, D, 1.0f);
+  if (D % I8_GROUP != 0) return quantize_row(src, dst, D);
   char* sp = reinterpret_cast<char*>(dst + D);
   for (int64_t g0 = 0; g0 < D; g0 += I8_GROUP, sp += 2) {
     const __m512 a = load16_f(src + g0), b = load16_f(src + g0 + 16);
@@ -93,7 +93,7 @@ void quantize_row_i8(const S* BR_RESTRICT src, int8_t* BR_RESTRICT dst, int64_t 
 #ifdef BR_X86_DISPATCH
   if (best_isa() >= 2) return quantize_row_i8_avx512(src, dst, D);
 #endif
-  quantize_row(src, dst, D, 1.0f);
+  quantize_row(src, dst, D);
 }
 
 template <typename C>
