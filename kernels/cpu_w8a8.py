@@ -5,8 +5,8 @@ pack(q [N, K] int8, scales [N] or [N, G]) -> Packed: the codes as [ceil(N/16), K
 -128 x their per-output sums per group of K / G columns (the activations are stored shifted to uint8; the
 kernel's int32 sums start at this offset, which takes the shift off) and the scales, both [blocks, G, 16]
 (N padded to whole blocks; one tile's groups contiguous); Packed.codes() and .row_scales() give back what was
-packed. linear(x, packed, inv_smooth) quantizes x per row (G = 1) or per group of each row and multiplies, in
-one pass each. With one group: the same codes, sums and float32 roundings as models/w8a8.py's
+packed. linear(x, packed, inv_smooth, rotate) quantizes x per row (G = 1) or per group of each row (rotated per
+block of 64 first with rotate) and multiplies, in one pass each. With one group: the same codes, sums and float32 roundings as models/w8a8.py's
 quantize_rows + torch._int_mm path, so equal to it bit for bit; with groups: its codes, and each group's sum
 folded in by a multiply and an FMA. product() takes that path's codes (tests, the candidate check).
 """
@@ -61,10 +61,11 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> Packed:
     return Packed(wp, *(t.view(-1, 16, ng).transpose(1, 2).contiguous() for t in (offset, sp)), n)
 
 
-def linear(x: torch.Tensor, p: Packed, inv_smooth: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (bfloat16 or float32, contiguous rows) -> [M, N] in x's dtype."""
+def linear(x: torch.Tensor, p: Packed, inv_smooth: Optional[torch.Tensor] = None, rotate: bool = False) -> torch.Tensor:
+    """x [M, K] (bfloat16 or float32, contiguous rows) -> [M, N] in x's dtype; rotate: x * inv_smooth is rotated
+    per block of 64 columns before its quantization (models/w8a8.py rotate_blocks, the same floats)."""
     inv = inv_smooth if inv_smooth is not None else x.new_empty(0, dtype=torch.float32)
-    u8, sx = torch.ops.batchrun_cpu.w8a8_quantize(x, inv, p.group)
+    u8, sx = torch.ops.batchrun_cpu.w8a8_quantize(x, inv, p.group, rotate)
     return torch.ops.batchrun_cpu.w8a8_gemm(u8, sx, p.wp, p.offset, p.scales, p.n, x.dtype == torch.bfloat16)
 
 

@@ -69,6 +69,9 @@ def configs(path: str) -> dict[str, dict]:
         out[f"w8a8 g{g}"] = {**w8, "quantization_group_size": g}
     out["w8a8 one group"] = {**w8, "quantization_group_size": 0}
     out["w8a8 o/down plain"] = {**w8, "_unfolded": "none"}
+    out["w8a8 nearest"] = {**w8, "_gptq": False}                       # rounded to nearest, not GPTQ
+    out["w8a8 one group nearest"] = {**w8, "quantization_group_size": 0, "_gptq": False}
+    out["w8a8 unrotated"] = {**w8, "_rotate": False, "_gptq": False}   # the form before rotation and GPTQ
     return out
 
 
@@ -165,6 +168,8 @@ def bench_model(name: str, path: str, args) -> None:
             continue
         kw = {k: (calib if v == CALIB else v) for k, v in kw.items()}
         smoothquant.UNFOLDED = kw.pop("_unfolded", smoothquant.UNFOLDED)
+        smoothquant.ROTATE = kw.pop("_rotate", True)
+        smoothquant.GPTQ = kw.pop("_gptq", True)
         llm = LLM(path, **{"dtype": "bfloat16", **common, **kw})
         led = llm.engine.memory_ledger
         if led.get("calibration"):
@@ -226,6 +231,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens, batches 1 and 16: a smoke run")
     ap.add_argument("--rows", action="store_true", help="also the kernel-vs-dequantise sweep over row counts")
     ap.add_argument("--models", default="smollm2,llama50m")
+    ap.add_argument("--tokens", type=int, default=0, help="held-out tokens the quality layers read (default 8192)")
     ap.add_argument("--no-json", dest="json", action="store_false", help="skip the JSON compliance layer")
     ap.add_argument("--configs", default="", help="only the rows whose label starts with one of these (comma-"
                     "separated: bf16,kv,fp32)")
@@ -233,7 +239,9 @@ def main() -> None:
                     "'none': quality only")
     args = ap.parse_args()
     asked = args.batches
+    tokens = args.tokens
     args.tokens, args.new_tokens, args.batches = (512, 8, [1, 16]) if args.quick else (8192, 32, [1, 16, 64])
+    args.tokens = tokens or args.tokens
     if asked:
         args.batches = [] if asked == "none" else [int(b) for b in asked.split(",")]
     args.configs = [c for c in args.configs.split(",") if c]

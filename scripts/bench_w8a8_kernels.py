@@ -4,7 +4,8 @@ count: one pass over every layer, ms (best of --reps), each W8A8 kernel as the w
 row, the int32 sums scaled to bf16), and GOP/s. The measured choice (models/w8a8.choose_kernels) picks among
 these per row bucket at quantize time; this prints what it picks from. "own gN": the own kernel with scales
 per group of N columns along K (w8a8.GROUP: the default quantization_group_size; torch's int8 GEMMs take one
-group only).
+group only). "rot": the same with the activations rotated per block of 64 in the quantizing pass
+(w8a8.rotate_blocks, the default where 64 divides K; every shape here).
 
     python scripts/bench_w8a8_kernels.py [--rows 1,16,64,256,2048] [--reps 3] [--layers 30] [--groups 64,32]
 """
@@ -41,12 +42,17 @@ def main() -> None:
     for k in _candidates()[:-1]:                      # "float" is the reference, not a contender
         forms[f"w8a8 {k}"] = lambda x, i, j, k=k: quant[i][j].run(x, k)
     groups = [int(g) for g in a.groups.split(",") if g] if "own" in _candidates(True) else []
+    rotated = ["one"] + groups if groups else []
     for g in groups:
         qg = [[W8A8Weight(*quantize_w8(w, g)) for w in ws] for ws in layers]
         forms[f"w8a8 own g{g}"] = lambda x, i, j, qg=qg: qg[i][j].run(x, "own")
+    for g in rotated:
+        qr = [[W8A8Weight(*quantize_w8(w, None if g == "one" else g), rotate=True) for w in ws] for ws in layers]
+        forms[f"w8a8 own {'' if g == 'one' else f'g{g} '}rot"] = lambda x, i, j, qr=qr: qr[i][j].run(x, "own")
     print(f"machine: {machine_kind()}; threads {torch.get_num_threads()}; {a.layers} layers")
+    labels = [f"g{g}" for g in groups] + [f"{'' if g == 'one' else f'g{g} '}rot" for g in rotated]
     print(f"{'rows':>6}" + "".join(f"{f:>22}" for f in forms) + "   best one-group int8 / best bf16"
-          + "".join(f", g{g}" for g in groups))
+          + "".join(f", {lb}" for lb in labels))
     for m in (int(r) for r in a.rows.split(",")):
         xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for _, k in SHAPES}
         best = dict.fromkeys(forms, float("inf"))
@@ -60,9 +66,9 @@ def main() -> None:
                     best[f] = min(best[f], time.perf_counter() - t0)
         ops = 2 * m * a.layers * sum(n * k for n, k in SHAPES)
         bf = min(t for f, t in best.items() if f.startswith("bf16"))
-        i8 = min(t for f, t in best.items() if f.startswith("w8a8") and " g" not in f)
+        i8 = min(t for f, t in best.items() if f.startswith("w8a8") and " g" not in f and "rot" not in f)
         print(f"{m:>6}" + "".join(f"{t * 1e3:>11.2f} ({ops / t / 1e9:>5.0f}/s)" for t in best.values())
-              + f"   {bf / i8:.2f}x" + "".join(f", {bf / best[f'w8a8 own g{g}']:.2f}x" for g in groups))
+              + f"   {bf / i8:.2f}x" + "".join(f", {bf / best[f'w8a8 own {lb}']:.2f}x" for lb in labels))
 
 
 if __name__ == "__main__":

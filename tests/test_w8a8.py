@@ -232,14 +232,16 @@ def test_validate_predicts_the_w8a8_engines_weight_bytes(hf_models, monkeypatch,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 301])
-@pytest.mark.parametrize("shape", [(40, 24), (576, 1536), (96, 22)])
-def test_own_kernel_equals_the_int_mm_path_bit_for_bit(dtype, smooth, rows, shape):
-    """Quantizing x and scaling the int32 sums in the kernel: the same codes and float32 roundings as
-    quantize_rows + torch._int_mm (so the same bf16 outputs); an all-zero row included."""
+@pytest.mark.parametrize("shape,rotate", [((40, 24), False), ((576, 1536), False), ((576, 1536), True),
+                                          ((96, 22), False), ((96, 192), True)])
+def test_own_kernel_equals_the_int_mm_path_bit_for_bit(dtype, smooth, rows, shape, rotate):
+    """Quantizing x (rotated per block of 64 or not) and scaling the int32 sums in the kernel: the same codes
+    and float32 roundings as quantize_rows + torch._int_mm (so the same bf16 outputs); an all-zero row
+    included."""
     torch.manual_seed(rows)
     n, k = shape
     s = torch.rand(k) + 0.5 if smooth else None
-    w = W8A8Weight(*quantize_w8(torch.randn(n, k)), inv_smooth=None if s is None else 1 / s)
+    w = W8A8Weight(*quantize_w8(torch.randn(n, k)), inv_smooth=None if s is None else 1 / s, rotate=rotate)
     x = (torch.randn(rows, k) * torch.rand(rows, 1) * 7).to(dtype)
     x[rows // 2] = 0
     own, ref = w.run(x, "own"), w.run(x, "int_mm")
@@ -251,18 +253,20 @@ def test_own_kernel_equals_the_int_mm_path_bit_for_bit(dtype, smooth, rows, shap
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("smooth", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 7, 64, 301])
-@pytest.mark.parametrize("shape,group", [((40, 64), 16), ((576, 1536), 64), ((96, 192), 64)])
-def test_own_kernel_with_groups_is_the_grouped_math(dtype, smooth, rows, shape, group):
-    """With groups, the op's codes and scales are quantize_rows' bit for bit (an all-zero row included), and
-    its product is the float64 reference of those codes within the bound (then rounded once to bf16)."""
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("shape,group", [((40, 64), 16), ((576, 1536), 64), ((96, 192), 64), ((32, 128), 128)])
+def test_own_kernel_with_groups_is_the_grouped_math(dtype, smooth, rows, shape, group, rotate):
+    """With groups, the op's codes and scales are quantize_rows' bit for bit (an all-zero row included; rotated
+    per block of 64 or not), and its product is the float64 reference of those codes within the bound (then
+    rounded once to bf16)."""
     torch.manual_seed(rows)
     n, k = shape
     inv = 1 / (torch.rand(k) + 0.5) if smooth else None
-    w = W8A8Weight(*quantize_w8(torch.randn(n, k) * torch.rand(n, 1), group), inv_smooth=inv)
+    w = W8A8Weight(*quantize_w8(torch.randn(n, k) * torch.rand(n, 1), group), inv_smooth=inv, rotate=rotate)
     x = (torch.randn(rows, k) * torch.rand(rows, 1) * 7).to(dtype)
     x[rows // 2] = 0
-    u8, sx = torch.ops.batchrun_cpu.w8a8_quantize(x, torch.empty(0) if inv is None else inv, group)
-    qx, sx_ref = quantize_rows(x, inv, group)
+    u8, sx = torch.ops.batchrun_cpu.w8a8_quantize(x, torch.empty(0) if inv is None else inv, group, rotate)
+    qx, sx_ref = quantize_rows(x, inv, group, rotate)
     assert torch.equal(u8.to(torch.int16) - 128, qx.to(torch.int16)) and torch.equal(sx, sx_ref)
     terms = terms64(qx, sx_ref, w)
     ref, bound = terms.sum(0), (terms.shape[0] + 3) * 2 ** -24 * terms.abs().sum(0)

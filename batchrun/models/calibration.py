@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from batchrun.models.cpu_linear import linear
+from batchrun.models.gptq import block_gram
 
 KNOB = "quantization_calibration"
 DEFAULT_ROWS = 256
@@ -97,15 +98,20 @@ def resolve_rows(setting: Union[int, str, None], tokenize, job_rows: Optional[li
 
 
 class _Recorder:
-    """Stands in for a projection's weight during the pass: records each input channel's absmax."""
+    """Stands in for a projection's weight during the pass: records each input channel's absmax, and with
+    `gram` (a dict) the diagonal blocks of x^T x (models/gptq.py)."""
 
-    def __init__(self, w: torch.Tensor, stats: dict, name: str):
-        self.w, self.stats, self.name = w, stats, name
+    def __init__(self, w: torch.Tensor, stats: dict, name: str, gram: Optional[dict] = None):
+        self.w, self.stats, self.name, self.gram = w, stats, name, gram
 
     def linear(self, x: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-        a = x.detach().reshape(-1, x.shape[-1]).abs().amax(0).float()
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        a = x2.abs().amax(0).float()
         old = self.stats.get(self.name)
         self.stats[self.name] = a if old is None else torch.maximum(old, a)
+        if self.gram is not None:
+            g = block_gram(x2)
+            self.gram[self.name] = g if self.name not in self.gram else self.gram[self.name].add_(g)
         return linear(x, self.w, b)
 
 
@@ -148,19 +154,27 @@ def projections(model: nn.Module) -> list[tuple[str, nn.Linear]]:
             if isinstance(m, nn.Linear) and n != "lm_head" and isinstance(m.weight, torch.Tensor)]
 
 
+def cut_rows(model: nn.Module, rows: list[list[int]]) -> list[list[int]]:
+    """Each row's first MAX_ROW_TOKENS tokens, and no more than the model has positions for (max_model_len)."""
+    table = getattr(model, "cos_sin", None)
+    limit = MAX_ROW_TOKENS if table is None else min(MAX_ROW_TOKENS, table.shape[0])
+    return [r[:limit] for r in rows]
+
+
 @torch.inference_mode()
-def collect_stats(model: nn.Module, rows: list[list[int]]) -> dict:
+def collect_stats(model: nn.Module, rows: list[list[int]], gram: bool = False) -> dict:
     """Run the model over `rows`; returns {"act_absmax": {projection: [K] float32}, "k_absmax": [L],
-    "v_absmax": [L], "rows": n, "tokens": n}."""
+    "v_absmax": [L], "rows": n, "tokens": n}, and with gram "gram": {projection: x^T x's diagonal blocks}."""
     stats: dict = {}
+    grams: Optional[dict] = {} if gram else None
     mods = projections(model)
     params = {n: m.weight for n, m in mods}
     for n, m in mods:
         del m._parameters["weight"]
-        m.weight = _Recorder(params[n], stats, n)
+        m.weight = _Recorder(params[n], stats, n, grams)
     backend = _CausalBackend(len(model.layers))
     dummy_kv = torch.zeros(len(model.layers), 2, 1)
-    rows = [r[:MAX_ROW_TOKENS] for r in rows]
+    rows = cut_rows(model, rows)
     try:
         batch: list[list[int]] = []
         for i, r in enumerate(rows):
@@ -175,8 +189,9 @@ def collect_stats(model: nn.Module, rows: list[list[int]]) -> dict:
         for n, m in mods:
             del m.weight
             m.register_parameter("weight", params[n])
-    return {"act_absmax": stats, "k_absmax": backend.k_absmax, "v_absmax": backend.v_absmax,
-            "rows": len(rows), "tokens": sum(map(len, rows))}
+    out = {"act_absmax": stats, "k_absmax": backend.k_absmax, "v_absmax": backend.v_absmax,
+           "rows": len(rows), "tokens": sum(map(len, rows))}
+    return out if grams is None else {**out, "gram": grams}
 
 
 def fingerprint(model_id: str, dtype: torch.dtype, rows: list[list[int]]) -> str:
@@ -192,17 +207,21 @@ def model_identity(info) -> str:
     return json.dumps([os.path.abspath(info.path)] + [[f, os.path.getsize(f), os.path.getmtime(f)] for f in files])
 
 
-def calibrate(model: nn.Module, info, rows: list[list[int]]) -> dict:
-    """collect_stats, read from / written to the cache when one is set (stats["cached"] says which)."""
+def calibrate(model: nn.Module, info, rows: list[list[int]], gram: bool = False) -> dict:
+    """collect_stats, read from / written to the cache when one is set (stats["cached"] says which); a cached
+    file without the Hessian blocks that `gram` asks for is recomputed (and rewritten with them)."""
     d = cache_dir()
+    rows = cut_rows(model, rows)
     key = fingerprint(model_identity(info), model.embed_tokens.weight.dtype, rows)
     path = os.path.join(d, f"{key}.pt") if d else None
     if path and os.path.isfile(path):
         try:
-            return {**torch.load(path, weights_only=True), "cached": True, "cache_path": path}
+            stats = torch.load(path, weights_only=True)
+            if "gram" in stats or not gram:
+                return {**stats, "cached": True, "cache_path": path}
         except (OSError, RuntimeError, EOFError):        # a torn or foreign file: recompute, rewrite
             pass
-    stats = collect_stats(model, rows)
+    stats = collect_stats(model, rows, gram)
     if path:
         os.makedirs(d, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"

@@ -24,7 +24,7 @@ from batchrun.kernels import cpu_decoder_layer, cpu_layer_ops as ops, cpu_w8a8
 from batchrun.models.cpu_linear import ChosenWeight, linear
 from batchrun.models.kernel_choice import ROWS, bucket_of
 from batchrun.models.llama import DenseFns
-from batchrun.models.w8a8 import W8A8Weight
+from batchrun.models.w8a8 import W8A8Weight, rotates
 
 FUSED_OPS_ENV = "BATCHRUN_CPU_FUSED_OPS"
 LAYER_OP_ENV = "BATCHRUN_CPU_LAYER_OP"
@@ -83,10 +83,10 @@ def whole_layers(model, h: torch.Tensor, rope: tuple, kv_caches: torch.Tensor, m
     args = model._layer_op_args[bucket_of(h.shape[0])]      # the projections' forms for this many rows
     if args is None:                       # a W8A8 kernel other than the op's was measured fastest here
         return model.run_layers(h, rope, kv_caches, meta, backend)
-    for i, (layer, (weights, shape, w8a8)) in enumerate(zip(model.layers, args)):
+    for i, (layer, (weights, shape, w8a8, rotate)) in enumerate(zip(model.layers, args)):
         a = layer.self_attn        # the KV scales are read per call: a calibration may set them after load
         cpu_decoder_layer.decoder_layer(h, weights, kv_caches, i, cos_sin, positions, *step, *shape,
-                                        a.k_scale, a.v_scale, backend.sdpa_from, w8a8)
+                                        a.k_scale, a.v_scale, backend.sdpa_from, w8a8, w8a8_rotate=rotate)
     return h
 
 
@@ -117,16 +117,22 @@ def _form_for(w, rows: int) -> Optional[tuple]:
 
 
 def _bucket_args(args: list, rows: int) -> Optional[list]:
-    """Each layer's (weights, shape, w8a8 tensors) for a step of `rows` rows, or None (the per-op path)."""
+    """Each layer's (weights, shape, w8a8 tensors, w8a8 rotation) for a step of `rows` rows, or None (the
+    per-op path). The op rotates every int8 projection whose K 64 divides, or none: W8A8 weights otherwise
+    mixed take the per-op path."""
     out = []
     for (ln1, qkv, o, ln2, gate_up, down), shape in args:
         projs = (qkv, o, gate_up, down)
         forms = [_form_for(w, rows) for w in projs]
         if any(f is None for f in forms):
             return None
-        w8a8 = [t for _, extra in forms for t in extra] if any(isinstance(w, W8A8Weight) for w in projs) else []
+        int8 = [w for w in projs if isinstance(w, W8A8Weight)]
+        rotate = any(w.rotate for w in int8)
+        if any(w.rotate != rotates(w.shape[1], rotate) for w in int8):
+            return None
+        w8a8 = [t for _, extra in forms for t in extra] if int8 else []
         (qkv, _), (o, _), (gate_up, _), (down, _) = forms
-        out.append(((ln1, qkv, o, ln2, gate_up, down), shape, w8a8))
+        out.append(((ln1, qkv, o, ln2, gate_up, down), shape, w8a8, rotate))
     return out
 
 

@@ -9,6 +9,8 @@ product, with the activation outliers moved into the weight, where per-output-ch
 - o_proj and down_proj have no norm before them: UNFOLDED "runtime" multiplies x by 1/s inside the W8A8
   product (one pass over x), "none" leaves them unsmoothed. scripts/bench_quant.py --smooth-unfolded measures
   both on the real SmolLM2; the default is the better one there.
+Then each projection's smoothed weight is rotated per block of 64 columns (ROTATE; w8a8.rotate_blocks, a
+Hadamard matrix: its inputs are rotated alike at run time, in the kernel's quantizing pass) and quantized.
 The fp8 KV scales come from the same pass: k_scale = max|K| / the format's largest value, per layer.
 """
 from __future__ import annotations
@@ -18,12 +20,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from batchrun.models.w8a8 import GROUP, W8A8Weight, choose_kernels, group_for, quantize_w8
+from batchrun.models import gptq
+from batchrun.models.w8a8 import GROUP, W8A8Weight, choose_kernels, group_for, quantize_w8, rotate_blocks, rotates
 
 DEFAULT_ALPHA = 0.5
 UNFOLDED = "runtime"        # o_proj / down_proj: "runtime" (x / s in the product) or "none"
 FOLDED = {"self_attn.qkv_proj": "input_layernorm", "mlp.gate_up_proj": "post_attention_layernorm"}
 UNFOLDED_PROJS = ("self_attn.o_proj", "mlp.down_proj")
+ROTATE = True               # rotate every projection whose K w8a8.ROTATION divides (scripts/bench_quant.py: both)
+GPTQ = True                 # GPTQ's rounding (models/gptq.py) where the statistics hold the Hessian blocks, else nearest
 EPS = 1e-5
 
 
@@ -66,6 +71,15 @@ def smooth_model(model: nn.Module, act_absmax: dict, alpha: Optional[float] = No
     return out
 
 
+def column_factors(smoothed: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """f [K] with smoothed = w * f per input column (smooth_model's factors, folded or not): the smoothed
+    product's input is x / f. A column of zeros takes 1."""
+    w = w.detach().float()
+    den = (w * w).sum(0)
+    f = (smoothed * w).sum(0) / den.clamp(min=1e-30)
+    return torch.where((den > 0) & (f != 0), f, torch.ones_like(f))
+
+
 def check_w8a8(model: nn.Module) -> None:
     """Layers W8A8 cannot take, refused in one line naming the knob and the layer: a weight that is not a
     floating 2-D tensor, or a layer whose calibration statistic is missing."""
@@ -79,9 +93,13 @@ def check_w8a8(model: nn.Module) -> None:
 
 
 def apply_w8a8(model: nn.Module, stats: dict, alpha: Optional[float] = None, unfolded: Optional[str] = None,
-               use_kernel: bool = True, budget_s: float = 0.5, group: int = GROUP) -> tuple[int, dict]:
-    """Smooth, then replace every projection's weight by a W8A8Weight (scales per `group` columns, w8a8.group_for)
-    and measure the kernels. Returns (the quantized weights' bytes, {bucket: kernel})."""
+               use_kernel: bool = True, budget_s: float = 0.5, group: int = GROUP,
+               rotate: Optional[bool] = None) -> tuple[int, dict]:
+    """Smooth, rotate (ROTATE), then replace every projection's weight by a W8A8Weight (scales per `group`
+    columns, w8a8.group_for; codes by GPTQ where stats has "gram", else rounded to nearest) and measure the
+    kernels. Returns (the quantized weights' bytes, {bucket: kernel})."""
+    rotate = ROTATE if rotate is None else rotate             # the module's, read at call time
+    grams = stats.get("gram") if GPTQ else None
     check_w8a8(model)
     missing = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"
                and n not in stats["act_absmax"]]
@@ -91,8 +109,15 @@ def apply_w8a8(model: nn.Module, stats: dict, alpha: Optional[float] = None, unf
     weights, total = [], 0
     for name, (w, inv) in smoothed.items():
         mod = model.get_submodule(name)
-        q, scale = quantize_w8(w, group_for(w.shape[1], group))
-        qw = W8A8Weight(q, scale, inv, use_kernel)
+        k, g = w.shape[1], group_for(w.shape[1], group)
+        rot = rotates(k, rotate)
+        wr = rotate_blocks(w.clone()) if rot else w
+        if grams is not None and name in grams:
+            h = gptq.change_basis(grams[name], k, column_factors(w, mod.weight), rot)
+            q, scale = gptq.quantize(wr, h, g)
+        else:
+            q, scale = quantize_w8(wr, g)
+        qw = W8A8Weight(q, scale, inv, use_kernel, rot)
         del mod._parameters["weight"]
         mod.weight = qw
         weights.append(qw)
@@ -131,7 +156,7 @@ def calibrate_model(model: nn.Module, info, config, kv_dtype: torch.dtype, rows)
         raise ValueError("quantization_calibration: runs on one rank; use tensor_parallel_size 1")
     if w8a8:
         check_w8a8(model)
-    stats = calibrate(model, info, rows)
+    stats = calibrate(model, info, rows, gram=w8a8 and GPTQ)
     out = {"rows": stats["rows"], "tokens": stats["tokens"], "cached": stats["cached"],
            "cache_path": stats["cache_path"], "kv_scales": None}
     if is_fp8(kv_dtype):
@@ -139,6 +164,7 @@ def calibrate_model(model: nn.Module, info, config, kv_dtype: torch.dtype, rows)
     if w8a8:
         nbytes, choice = apply_w8a8(model, stats, use_kernel=kernels_enabled(),
                                     group=config.group_size)
-        out.update(quantized_bytes=nbytes, alpha=DEFAULT_ALPHA, smooth_unfolded=UNFOLDED,
+        out.update(quantized_bytes=nbytes, alpha=DEFAULT_ALPHA, smooth_unfolded=UNFOLDED, rotate=ROTATE,
+                   rounding="gptq" if GPTQ and "gram" in stats else "nearest",
                    w8a8_kernels={str(b): k for b, k in choice.items()} or "float (BATCHRUN_QUANT_KERNELS=0)")
     return out

@@ -40,6 +40,30 @@ KERNELS = ("own", "int_mm", "onednn", "float")
 BUCKETS = (1, 16, 64, 256, 2048)
 MEASURE_MAX_ROWS = 512        # the 2048 bucket is timed at this many rows: the cost per row is flat by then
 GROUP = 64                    # the default columns per scale along K (quantization_group_size), where it divides K
+ROTATION = 64                 # a Hadamard rotation of each block of this many columns along K, where it divides K
+
+
+def rotates(k: int, rotate: bool = True) -> bool:
+    """A projection of input size k takes the block rotation (rotate_blocks) when asked and ROTATION divides k."""
+    return rotate and k % ROTATION == 0
+
+
+def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> x @ blockdiag(H, .., H) with H the normalized 64 x 64 Hadamard matrix (symmetric and
+    its own inverse), in place: a fast Walsh-Hadamard transform per block, butterflies of span 1, 2, .., 32 in
+    that order (as the own kernel does them, so its codes are these bit for bit), then the exact 1/8.
+    Rotating x and W alike leaves x @ W.T as it is, and spreads a block's outliers over all 64 columns: the
+    int8 groups' absmax then sits near their typical values (QuaRot's idea, within blocks)."""
+    m, k = x.shape
+    h = 1
+    while h < ROTATION:
+        v = x.view(m, k // (2 * h), 2, h)
+        a, b = v[:, :, 0], v[:, :, 1]
+        lo, hi = a + b, a - b
+        a.copy_(lo)
+        b.copy_(hi)
+        h *= 2
+    return x.mul_(1 / ROTATION ** 0.5)
 
 
 def group_for(k: int, group: int = GROUP) -> int:
@@ -48,11 +72,14 @@ def group_for(k: int, group: int = GROUP) -> int:
     return group if group and k % group == 0 else k
 
 
-def quantize_rows(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None, group: Optional[int] = None):
+def quantize_rows(x: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None, group: Optional[int] = None,
+                  rotate: bool = False):
     """x [M, K] (any float dtype) -> (qx int8 [M, K], sx float32 [M, K / group]) with x ~ qx * sx, symmetric
     per row and group of `group` columns (None: the whole row); with inv_smooth [K], of x * inv_smooth
-    (SmoothQuant's run-time division)."""
+    (SmoothQuant's run-time division); with rotate, of that rotated (rotate_blocks)."""
     x = x.to(torch.float32, copy=True) if inv_smooth is None else torch.mul(x, inv_smooth)   # ours to reuse
+    if rotate:
+        rotate_blocks(x)
     m, k = x.shape
     xg = x.view(m, k // (group or k), group or k)
     lo, hi = torch.aminmax(xg, dim=-1, keepdim=True)                         # one pass, no |x| temporary
@@ -74,14 +101,18 @@ def quantize_w8(w: torch.Tensor, group: Optional[int] = None) -> tuple[torch.Ten
 
 class W8A8Weight(QuantizedWeight):
     """qt int8 [K, N] (the codes K-major), scales float32 [N] (one group) or [N, G] (G groups along K),
-    optional inv_smooth float32 [K] (x is multiplied by it before its quantization); linear(x, b) = x @ w.T + b
-    in x's dtype, through the measured kernel."""
+    optional inv_smooth float32 [K] (x is multiplied by it before its quantization), rotate: the codes are of
+    W @ R and x is rotated alike (rotate_blocks) after that multiply; linear(x, b) = x @ w.T + b in x's dtype,
+    through the measured kernel."""
 
     kind = "w8a8"
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, inv_smooth: Optional[torch.Tensor] = None,
-                 use_kernel: bool = True):
+                 use_kernel: bool = True, rotate: bool = False):
         super().__init__(use_kernel)
+        if rotate and not rotates(q.shape[1]):
+            raise ValueError(f"W8A8Weight: rotate needs K a multiple of {ROTATION}, got {q.shape[1]}")
+        self.rotate = rotate
         self._qt = q.t().contiguous()
         self._scales = scales.float().contiguous()
         self.inv_smooth = None if inv_smooth is None else inv_smooth.float().contiguous()
@@ -111,9 +142,11 @@ class W8A8Weight(QuantizedWeight):
             self._qt = self._scales = None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight the product applies to the original x: q * scale, times inv_smooth along K."""
+        """The weight the product applies to the original x: q * scale, rotated back, times inv_smooth along K."""
         n, k = self.shape
         w = (self.qt.t().float().view(n, -1, self.group) * self.scales.view(n, -1, 1)).view(n, k)
+        if self.rotate:
+            rotate_blocks(w)                 # R is its own inverse
         return (w if self.inv_smooth is None else w * self.inv_smooth).to(dtype)
 
     def kernel_for(self, rows: int) -> str:
@@ -165,8 +198,8 @@ class W8A8Weight(QuantizedWeight):
         """x2 [M, K] @ w.T in x2's dtype by `kernel` (the own one quantizes x2 itself)."""
         if kernel == "own" and x2.dtype in (torch.bfloat16, torch.float32) and x2.stride(-1) == 1 \
                 and self.shape[1] % 4 == 0:
-            return cpu_w8a8.linear(x2, self.own_packed(), self.inv_smooth)
-        qx, sx = quantize_rows(x2, self.inv_smooth, self.group)
+            return cpu_w8a8.linear(x2, self.own_packed(), self.inv_smooth, self.rotate)
+        qx, sx = quantize_rows(x2, self.inv_smooth, self.group, self.rotate)
         return self.product(qx, sx, kernel).to(x2.dtype)
 
     def linear(self, x: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -7,12 +7,13 @@
 // batchrun_cpu::decoder_layer(h(a!) [T, H], ln1_w [H], qkv_wp, o_wp, ln2_w [H], gate_up_wp, down_wp,
 //     kv_caches(b!) [L, 2, N, bs, Hkv, D], layer, cos_sin [P, D] float32, positions [T] int64,
 //     slot_mapping [T] int64, query_start_loc [B+1], seq_lens [B], block_tables [B, W] int32,
-//     num_heads, eps, scale, sliding_window, k_scale, v_scale, sdpa_from, w8a8) -> ()
+//     num_heads, eps, scale, sliding_window, k_scale, v_scale, sdpa_from, w8a8, w8a8_rotate) -> ()
 //
 // Each projection weight is cpu_gemm.pack()ed ([n/16, K/2, 16, 2] or [n/64, K/2, 4, 16, 2]), oneDNN-packed, or a
 // plain [n, K] tensor: the form models/kernel_choice.py measured fastest for this step's rows; or, with
 // quantization w8a8, int8 cpu_w8a8.pack()ed ([n/16, K/4, 16, 4], n a multiple of 16), whose offset, scales and
-// inv_smooth (empty: none) come in w8a8, three per projection in the order qkv, o, gate_up, down. h is the residual stream
+// inv_smooth (empty: none) come in w8a8, three per projection in the order qkv, o, gate_up, down; with w8a8_rotate
+// the inputs of those whose K 64 divides are rotated per block of 64 (models/w8a8.py rotates). h is the residual stream
 // and becomes the layer's output in place; layer `layer`'s K/V of this step go into kv_caches.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -94,11 +95,11 @@ int64_t packed_n(const Tensor& wp) { return wp.dim() >= 4 ? wp.size(0) * (wp.dim
 // (models/kernel_choice.py): the own kernel's packed layouts, oneDNN's packed layout (mkldnn
 // _linear_pointwise: AMX where the CPU has it), or a plain [n, K] weight through torch's F.linear.
 // An int8 weight is W8A8's: its offset, scales and inv_smooth are w8a8[3 i .. 3 i + 2] for projection i.
-Tensor project(const Tensor& x, const Tensor& w, int64_t n, const std::vector<Tensor>& w8a8, int i) {
+Tensor project(const Tensor& x, const Tensor& w, int64_t n, const std::vector<Tensor>& w8a8, int i, bool rotate) {
   if (w.scalar_type() == ScalarType::Char) {
     STD_TORCH_CHECK(w8a8.size() == 12, "decoder_layer: an int8 projection needs w8a8's 12 tensors, got ",
                     w8a8.size());
-    return brcpu::w8a8_linear(x, w8a8[3 * i + 2], w, w8a8[3 * i], w8a8[3 * i + 1], n);
+    return brcpu::w8a8_linear(x, w8a8[3 * i + 2], w, w8a8[3 * i], w8a8[3 * i + 1], n, rotate && x.size(1) % 64 == 0);
   }
   if (w.dim() >= 4) return brcpu::bf16_linear(x, w, n);
   if (w.layout() == torch::headeronly::Layout::Mkldnn) {
@@ -121,7 +122,7 @@ void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln
                    Tensor down_wp, Tensor kv_caches, int64_t layer, Tensor cos_sin, Tensor positions,
                    Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables,
                    int64_t num_heads, double eps, double scale, int64_t sliding_window, double k_scale,
-                   double v_scale, int64_t sdpa_from, std::vector<Tensor> w8a8) {
+                   double v_scale, int64_t sdpa_from, std::vector<Tensor> w8a8, bool w8a8_rotate) {
   STD_TORCH_CHECK(h.is_cpu() && h.scalar_type() == ScalarType::BFloat16 && h.dim() == 2 && h.is_contiguous(),
                   "decoder_layer: h must be a contiguous bfloat16 [T, H] CPU tensor");
   STD_TORCH_CHECK(kv_caches.is_cpu() && kv_caches.dim() == 6 && kv_caches.size(1) == 2 && kv_caches.stride(5) == 1,
@@ -151,7 +152,7 @@ void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln
     prefetch_kv(kv, kv + kv_caches.stride(1) * esz, cs2 * esz, bs, N, seq_lens, block_tables, sliding_window);
 
   // input norm -> qkv projection -> RoPE of q and k in place -> K/V stored -> paged attention
-  Tensor qkv = project(brcpu::rms_norm(h, ln1_w, eps), qkv_wp, W, w8a8, 0);          // [T, W]
+  Tensor qkv = project(brcpu::rms_norm(h, ln1_w, eps), qkv_wp, W, w8a8, 0, w8a8_rotate);          // [T, W]
   auto* p = static_cast<c10::BFloat16*>(qkv.data_ptr());
   Tensor q = over(p, h, ScalarType::BFloat16, {T, num_heads, D}, {W, D, 1});
   Tensor k = over(p + q_size, h, ScalarType::BFloat16, {T, Hkv, D}, {W, D, 1});
@@ -164,8 +165,9 @@ void decoder_layer(Tensor h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln
 
   // o_proj added into h, its norm -> gate/up -> SwiGLU -> down, added into h
   Tensor o2 = over(o.data_ptr(), h, ScalarType::BFloat16, {T, q_size}, {q_size, 1});
-  Tensor x = brcpu::add_rms_norm(project(o2, o_wp, H, w8a8, 1), h, ln2_w, eps);
-  add_(h, project(brcpu::silu_mul(project(x, gate_up_wp, packed_n(gate_up_wp), w8a8, 2)), down_wp, H, w8a8, 3));
+  Tensor x = brcpu::add_rms_norm(project(o2, o_wp, H, w8a8, 1, w8a8_rotate), h, ln2_w, eps);
+  Tensor act = brcpu::silu_mul(project(x, gate_up_wp, packed_n(gate_up_wp), w8a8, 2, w8a8_rotate));
+  add_(h, project(act, down_wp, H, w8a8, 3, w8a8_rotate));
 }
 
 }  // namespace
@@ -174,7 +176,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
   m.def("decoder_layer(Tensor(a!) h, Tensor ln1_w, Tensor qkv_wp, Tensor o_wp, Tensor ln2_w, Tensor gate_up_wp, "
         "Tensor down_wp, Tensor(b!) kv_caches, int layer, Tensor cos_sin, Tensor positions, Tensor slot_mapping, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, int num_heads, float eps, float scale, "
-        "int sliding_window, float k_scale, float v_scale, int sdpa_from, Tensor[] w8a8) -> ()");
+        "int sliding_window, float k_scale, float v_scale, int sdpa_from, Tensor[] w8a8, bool w8a8_rotate) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) { m.impl("decoder_layer", TORCH_BOX(&decoder_layer)); }

@@ -1,10 +1,11 @@
 // W8A8 products on x86-64 CPUs with AVX-512 VNNI (batchrun.kernels.cpu_w8a8; models/w8a8.py's "own" kernel).
 //
-// batchrun_cpu::w8a8_quantize(x [M, K] bf16/f32, inv_smooth [K] f32 or empty, group) -> (u8 [M, K] uint8,
+// batchrun_cpu::w8a8_quantize(x [M, K] bf16/f32, inv_smooth [K] f32 or empty, group, rotate) -> (u8 [M, K] uint8,
 //                            sx [M, K / group] f32)
-//   per group of `group` columns of a row (0 or K: the whole row): v = x * inv_smooth, sx = max|v| / 127 (at
-//   least 1e-30), code round(v / sx) stored + 128 as uint8: models/w8a8.py quantize_rows' arithmetic in the
-//   same order (float division, ties to even), so the codes are its codes + 128.
+//   per group of `group` columns of a row (0 or K: the whole row): v = x * inv_smooth (with rotate: then times
+//   the normalized 64 x 64 Hadamard matrix per block of 64, a fast Walsh-Hadamard transform in registers),
+//   sx = max|v| / 127 (at least 1e-30), code round(v / sx) stored + 128 as uint8: models/w8a8.py
+//   quantize_rows' arithmetic in the same order (float division, ties to even), so the codes are its codes + 128.
 // batchrun_cpu::w8a8_gemm(u8 [M, K], sx [M, G], wp [blocks, K/4, 16, 4] int8, offset [blocks, G, 16] int32,
 //                         scales [blocks, G, 16] f32, n, bf16_out) -> [M, n] (bf16 or f32), G groups along K
 //   One group (per-row activations, per-channel weights): y[m, j] = (float(sum_k (u8[m, k] - 128) w[j, k]) *
@@ -28,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include "vec.h"
 
@@ -69,35 +71,82 @@ BR_VNNI_TARGET inline __m512 load16(const void* p, bool bf16, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// columns [c0, c0 + G) of rows [r0, r1) of x into codes + 128 and their scales sx[r * ng + c0 / G]
-BR_VNNI_TARGET void quantize_rows(const void* x, int64_t xs, bool bf16, const float* inv, int64_t K, int64_t G,
-                                  uint8_t* u8, float* sx, int64_t r0, int64_t r1) {
+// A butterfly stage within a vector: lanes whose stage bit is set take partner - self (low - high), the others
+// self + partner, as models/w8a8.py rotate_blocks computes a + b and a - b.
+BR_VNNI_TARGET inline __m512 butterfly(__m512 x, __m512 partner, __mmask16 high) {
+  return _mm512_mask_sub_ps(_mm512_add_ps(x, partner), high, partner, x);
+}
+
+// v [64] (four vectors, element 16 i + lane) times the normalized 64 x 64 Hadamard matrix: spans 1, 2, 4, 8
+// inside each vector, then 16 and 32 across them, then the exact 1/8 (rotate_blocks' order and roundings).
+BR_VNNI_TARGET inline void hadamard64(__m512 (&v)[4]) {
+  for (int i = 0; i < 4; ++i) {
+    __m512 x = v[i];
+    x = butterfly(x, _mm512_permute_ps(x, 0xB1), 0xAAAA);            // span 1: neighbours
+    x = butterfly(x, _mm512_permute_ps(x, 0x4E), 0xCCCC);            // span 2
+    x = butterfly(x, _mm512_shuffle_f32x4(x, x, 0xB1), 0xF0F0);      // span 4: 128-bit lanes 0<->1, 2<->3
+    v[i] = butterfly(x, _mm512_shuffle_f32x4(x, x, 0x4E), 0xFF00);   // span 8: 0<->2, 1<->3
+  }
+  const __m512 a0 = _mm512_add_ps(v[0], v[1]), a1 = _mm512_sub_ps(v[0], v[1]);   // span 16
+  const __m512 a2 = _mm512_add_ps(v[2], v[3]), a3 = _mm512_sub_ps(v[2], v[3]);
+  const __m512 eighth = _mm512_set1_ps(0.125f);
+  v[0] = _mm512_mul_ps(_mm512_add_ps(a0, a2), eighth);                            // span 32
+  v[1] = _mm512_mul_ps(_mm512_add_ps(a1, a3), eighth);
+  v[2] = _mm512_mul_ps(_mm512_sub_ps(a0, a2), eighth);
+  v[3] = _mm512_mul_ps(_mm512_sub_ps(a1, a3), eighth);
+}
+
+// a row's groups of G columns into codes + 128 and their scales
+BR_VNNI_TARGET void quantize_row(const char* row, bool bf16, const float* inv, int64_t K, int64_t G, uint8_t* u8,
+                                 float* sx) {
   const int64_t esz = bf16 ? 2 : 4, ng = K / G;
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t c0 = g * G, c1 = c0 + G;
+    __m512 amax = _mm512_setzero_ps();   // |v| by clearing the sign: one max and one reduction per group
+    for (int64_t k = c0; k < c1; k += 16) {
+      const __mmask16 m = c1 - k >= 16 ? 0xFFFF : (__mmask16)((1u << (c1 - k)) - 1);
+      __m512 v = load16(row + k * esz, bf16, m);
+      if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));   // masked-off lanes load as 0
+    }
+    float s = _mm512_reduce_max_ps(amax) / 127.0f;
+    s = std::max(s, 1e-30f);
+    sx[g] = s;
+    const __m512 sv = _mm512_set1_ps(s);
+    const __m512i shift = _mm512_set1_epi32(128);
+    for (int64_t k = c0; k < c1; k += 16) {
+      const __mmask16 m = c1 - k >= 16 ? 0xFFFF : (__mmask16)((1u << (c1 - k)) - 1);
+      __m512 v = load16(row + k * esz, bf16, m);
+      if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
+      const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(q), shift);
+      _mm_mask_storeu_epi8(u8 + k, m, _mm512_cvtepi32_epi8(c));
+    }
+  }
+}
+
+// rows [r0, r1) of x; with rotate (K a multiple of 64) each row's x * inv is rotated per block of 64 into a
+// float32 row first, which is then quantized as it stands
+BR_VNNI_TARGET void quantize_rows(const void* x, int64_t xs, bool bf16, const float* inv, int64_t K, int64_t G,
+                                  bool rotate, uint8_t* u8, float* sx, int64_t r0, int64_t r1) {
+  const int64_t esz = bf16 ? 2 : 4, ng = K / G;
+  std::vector<float> buf(rotate ? K : 0);
   for (int64_t r = r0; r < r1; ++r) {
     const char* row = static_cast<const char*>(x) + r * xs * esz;
-    for (int64_t g = 0; g < ng; ++g) {
-      const int64_t c0 = g * G, c1 = c0 + G;
-      __m512 amax = _mm512_setzero_ps();   // |v| by clearing the sign: one max and one reduction per group
-      for (int64_t k = c0; k < c1; k += 16) {
-        const __mmask16 m = c1 - k >= 16 ? 0xFFFF : (__mmask16)((1u << (c1 - k)) - 1);
-        __m512 v = load16(row + k * esz, bf16, m);
-        if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));   // masked-off lanes load as 0
-      }
-      float s = _mm512_reduce_max_ps(amax) / 127.0f;
-      s = std::max(s, 1e-30f);
-      sx[r * ng + g] = s;
-      const __m512 sv = _mm512_set1_ps(s);
-      const __m512i shift = _mm512_set1_epi32(128);
-      for (int64_t k = c0; k < c1; k += 16) {
-        const __mmask16 m = c1 - k >= 16 ? 0xFFFF : (__mmask16)((1u << (c1 - k)) - 1);
-        __m512 v = load16(row + k * esz, bf16, m);
-        if (inv) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, inv + k));
-        const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(q), shift);
-        _mm_mask_storeu_epi8(u8 + r * K + k, m, _mm512_cvtepi32_epi8(c));
-      }
+    if (!rotate) {
+      quantize_row(row, bf16, inv, K, G, u8 + r * K, sx + r * ng);
+      continue;
     }
+    for (int64_t k0 = 0; k0 < K; k0 += 64) {
+      __m512 v[4];
+      for (int i = 0; i < 4; ++i) {
+        v[i] = load16(row + (k0 + 16 * i) * esz, bf16, 0xFFFF);
+        if (inv) v[i] = _mm512_mul_ps(v[i], _mm512_loadu_ps(inv + k0 + 16 * i));
+      }
+      hadamard64(v);
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(buf.data() + k0 + 16 * i, v[i]);
+    }
+    quantize_row(reinterpret_cast<const char*>(buf.data()), false, nullptr, K, G, u8 + r * K, sx + r * ng);
   }
 }
 
@@ -266,7 +315,7 @@ BR_VNNI_TARGET void run(const Gemm& g, int64_t grp, int64_t m0, int64_t m1) {
 }
 #endif
 
-std::tuple<Tensor, Tensor> w8a8_quantize(Tensor x, Tensor inv_smooth, int64_t group) {
+std::tuple<Tensor, Tensor> w8a8_quantize(Tensor x, Tensor inv_smooth, int64_t group, bool rotate) {
   STD_TORCH_CHECK(supported(), "w8a8_quantize: this CPU has no AVX-512 VNNI");
   const ScalarType st = x.scalar_type();
   STD_TORCH_CHECK(x.is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
@@ -275,6 +324,7 @@ std::tuple<Tensor, Tensor> w8a8_quantize(Tensor x, Tensor inv_smooth, int64_t gr
   const int64_t M = x.size(0), K = x.size(1), G = group > 0 ? group : K;
   STD_TORCH_CHECK(G == K || (G % 16 == 0 && K % G == 0), "w8a8_quantize: group ", group,
                   " must be 0, K or a multiple of 16 dividing K=", K);
+  STD_TORCH_CHECK(!rotate || K % 64 == 0, "w8a8_quantize: rotate needs K a multiple of 64, got K=", K);
   const bool smooth = inv_smooth.numel() > 0;
   STD_TORCH_CHECK(!smooth || (inv_smooth.scalar_type() == ScalarType::Float && inv_smooth.is_contiguous() &&
                               inv_smooth.numel() == K),
@@ -284,7 +334,7 @@ std::tuple<Tensor, Tensor> w8a8_quantize(Tensor x, Tensor inv_smooth, int64_t gr
 #ifdef BR_VNNI_X86
   const float* inv = smooth ? static_cast<const float*>(inv_smooth.data_ptr()) : nullptr;
   auto body = [&](int64_t r0, int64_t r1) {
-    quantize_rows(x.data_ptr(), x.stride(0), st == ScalarType::BFloat16, inv, K, G,
+    quantize_rows(x.data_ptr(), x.stride(0), st == ScalarType::BFloat16, inv, K, G, rotate,
                   static_cast<uint8_t*>(u8.data_ptr()), static_cast<float*>(sx.data_ptr()), r0, r1);
   };
   if (M * K < (1 << 16)) body(0, M);
@@ -342,15 +392,15 @@ bool w8a8_supported() { return supported(); }
 }  // namespace
 
 namespace brcpu {  // for ops composed of these (ops.h)
-Tensor w8a8_linear(Tensor x, Tensor inv_smooth, Tensor wp, Tensor offset, Tensor scales, int64_t n) {
+Tensor w8a8_linear(Tensor x, Tensor inv_smooth, Tensor wp, Tensor offset, Tensor scales, int64_t n, bool rotate) {
   const int64_t ng = scales.numel() / std::max<int64_t>(1, wp.size(0) * 16);   // groups: scales [G, blocks * 16]
-  auto [u8, sx] = ::w8a8_quantize(x, inv_smooth, x.size(1) / std::max<int64_t>(1, ng));
+  auto [u8, sx] = ::w8a8_quantize(x, inv_smooth, x.size(1) / std::max<int64_t>(1, ng), rotate);
   return ::w8a8_gemm(u8, sx, wp, offset, scales, n, x.scalar_type() == ScalarType::BFloat16);
 }
 }  // namespace brcpu
 
 STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
-  m.def("w8a8_quantize(Tensor x, Tensor inv_smooth, int group) -> (Tensor, Tensor)");
+  m.def("w8a8_quantize(Tensor x, Tensor inv_smooth, int group, bool rotate) -> (Tensor, Tensor)");
   m.def("w8a8_gemm(Tensor u8, Tensor sx, Tensor wp, Tensor offset, Tensor scales, int n, bool bf16_out) -> Tensor");
   m.def("w8a8_supported() -> bool");
 }

@@ -16,7 +16,8 @@ void rope_(Tensor q, Tensor k, Tensor cos_sin, Tensor positions);
 Tensor silu_mul(Tensor gate_up);
 Tensor bf16_linear(Tensor x, Tensor wp, int64_t n);                                  // cpu_gemm.cpp
 // x quantized per row (times inv_smooth where it is not empty), then the int8 product: cpu_w8a8.linear
-Tensor w8a8_linear(Tensor x, Tensor inv_smooth, Tensor wp, Tensor offset, Tensor scales, int64_t n);  // cpu_w8a8.cpp
+Tensor w8a8_linear(Tensor x, Tensor inv_smooth, Tensor wp, Tensor offset, Tensor scales, int64_t n,
+                   bool rotate);  // cpu_w8a8.cpp
 Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens,
                        Tensor block_tables, double scale, int64_t sliding_window, int64_t isa, double k_scale,
                        double v_scale, int64_t sdpa_from);                            // cpu_attention.cpp
