@@ -18,6 +18,7 @@ import torch
 
 BLOCK = 128          # columns per diagonal block of the Hessian
 DAMP = 0.01          # the diagonal's share added to it (of its mean per block): GPTQ's default
+STEP = 16            # columns rounded between two matmul updates of the rest of a block (divides every group)
 
 
 def blocks_of(k: int) -> int:
@@ -48,41 +49,65 @@ def change_basis(gram: torch.Tensor, k: int, factors: torch.Tensor, rotate: bool
     return r @ h @ r
 
 
-@torch.no_grad()
 def quantize(w: torch.Tensor, gram: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float, gram [ceil(K / BLOCK), BLOCK, BLOCK] of its inputs -> (q int8 [N, K], scale float32 [N]
     for group == K, else [N, K / group]): w8a8.quantize_w8's form, the codes chosen by GPTQ."""
-    n, k = w.shape
-    nb = gram.shape[0]
-    wb = torch.nn.functional.pad(w.float(), (0, nb * BLOCK - k)).view(n, nb, BLOCK).clone()
+    return quantize_many([(w, gram)], group)[0]
+
+
+@torch.no_grad()
+def quantize_many(items: list, group: int, batch: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """quantize() of each (w, gram) of one shape. The blocks are independent, so those of `batch` weights are
+    walked together (a model's 30 layers in 4 calls of a few hundred small ops, not 30), STEP columns at a
+    time, the errors reaching the later columns by one matmul per step."""
+    out = []
+    for b in range(0, len(items), batch):
+        chunk = items[b:b + batch]
+        n, k = chunk[0][0].shape
+        q, scale = _walk(torch.cat([w.float() for w, _ in chunk]), torch.cat([g for _, g in chunk]), k, group,
+                         len(chunk))
+        out += [(q[i * n:(i + 1) * n].clone(), scale[i * n:(i + 1) * n].clone()) for i in range(len(chunk))]
+    return out
+
+
+def _walk(w: torch.Tensor, gram: torch.Tensor, k: int, group: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """m weights stacked along N ([m N, K]) and their grams along the blocks ([m nb, B, B]): each weight's
+    blocks walked against its own gram, all at once."""
+    mn = w.shape[0]
+    n = mn // m
+    nb, pad = gram.shape[0] // m, gram.shape[0] // m * BLOCK - k
+    wt = torch.nn.functional.pad(w, (0, pad)).view(m, n, nb, BLOCK).permute(0, 2, 3, 1).reshape(m * nb, BLOCK, n)
     h = gram.double().clone()
     diag = h.diagonal(dim1=1, dim2=2)
     dead = diag == 0                                       # a column no input reached (or K's padding)
     diag.add_(dead.double())
     diag.add_(DAMP * diag.mean(1, keepdim=True))
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    wb[:, dead] = 0
+    wt[dead] = 0
     walk = group <= BLOCK and BLOCK % group == 0           # groups inside blocks: scales as the walk gets there
     if walk:
-        scale = torch.empty(n, nb, BLOCK // group)
-    else:
-        scale = w.float().view(n, k // group, group).abs().amax(2) / 127
+        scale = torch.empty(m * nb, BLOCK // group, n)
+    else:                                                  # one scale per row (or group) from the weight as given
+        scale = w.view(mn, k // group, group).abs().amax(2) / 127
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        col_scale = torch.nn.functional.pad(scale.repeat_interleave(group, 1), (0, nb * BLOCK - k), value=1.0)
-        col_scale = col_scale.view(n, nb, BLOCK)
-    q = torch.empty(n, nb, BLOCK)
-    for i in range(BLOCK):
-        if walk and i % group == 0:
-            s = wb[:, :, i:i + group].abs().amax(2) / 127
-            scale[:, :, i // group] = torch.where(s > 0, s, torch.ones_like(s))
-        s = scale[:, :, i // group] if walk else col_scale[:, :, i]
-        col = wb[:, :, i]
-        qc = torch.round(col / s).clamp_(-127, 127)
-        q[:, :, i] = qc
-        err = (col - qc * s) / u[:, i, i]
-        wb[:, :, i + 1:] -= err[:, :, None] * u[None, :, i, i + 1:]
-    codes = q.view(n, -1)[:, :k].to(torch.int8).contiguous()
-    if not walk:
-        return codes, (scale.view(n) if group == k else scale)
-    scale = scale.view(n, -1)[:, : k // group].contiguous()
-    return codes, (scale.view(n) if group == k else scale)
+        col_scale = torch.nn.functional.pad(scale.repeat_interleave(group, 1), (0, pad), value=1.0)
+        col_scale = col_scale.view(m, n, nb, BLOCK).permute(0, 2, 3, 1).reshape(m * nb, BLOCK, n)
+    q = torch.empty(m * nb, BLOCK, n)
+    err = torch.empty(m * nb, STEP, n)
+    for j in range(0, BLOCK, STEP):
+        if walk and j % group == 0:
+            s = wt[:, j:j + group].abs().amax(1) / 127
+            scale[:, j // group] = torch.where(s > 0, s, torch.ones_like(s))
+        for i in range(j, j + STEP):
+            s = scale[:, i // group] if walk else col_scale[:, i]
+            col = wt[:, i]                                                  # [m nb, N]
+            qc = torch.round(col / s).clamp_(-127, 127)
+            q[:, i] = qc
+            e = err[:, i - j]
+            torch.div(col - qc * s, u[:, i, i, None], out=e)
+            wt[:, i + 1:j + STEP] -= u[:, i, i + 1:j + STEP, None] * e[:, None]
+        wt[:, j + STEP:] -= u[:, j:j + STEP, j + STEP:].transpose(1, 2) @ err
+    codes = q.view(m, nb, BLOCK, n).permute(0, 3, 1, 2).reshape(mn, -1)[:, :k].to(torch.int8).contiguous()
+    if walk:
+        scale = scale.view(m, nb, -1, n).permute(0, 3, 1, 2).reshape(mn, -1)[:, : k // group].contiguous()
+    return codes, (scale.reshape(mn) if group == k else scale)

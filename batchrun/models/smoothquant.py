@@ -107,17 +107,21 @@ def apply_w8a8(model: nn.Module, stats: dict, alpha: Optional[float] = None, unf
         raise ValueError(f"quantization_calibration: no statistics for layer {missing[0]} (a stale cache file?)")
     smoothed = smooth_model(model, stats["act_absmax"], alpha, unfolded)
     weights, total = [], 0
+    prepared, by_shape = {}, {}                  # name -> (rotated weight, inv, rotated?); GPTQ's batches
     for name, (w, inv) in smoothed.items():
-        mod = model.get_submodule(name)
         k, g = w.shape[1], group_for(w.shape[1], group)
         rot = rotates(k, rotate)
-        wr = rotate_blocks(w.clone()) if rot else w
+        prepared[name] = (rotate_blocks(w.clone()) if rot else w, inv, rot, g)
         if grams is not None and name in grams:
-            h = gptq.change_basis(grams[name], k, column_factors(w, mod.weight), rot)
-            q, scale = gptq.quantize(wr, h, g)
-        else:
-            q, scale = quantize_w8(wr, g)
+            h = gptq.change_basis(grams[name], k, column_factors(w, model.get_submodule(name).weight), rot)
+            by_shape.setdefault((tuple(w.shape), g), []).append((name, h))
+    codes = {}
+    for (_, g), jobs in by_shape.items():       # a model's layers share four shapes: a few calls in all
+        codes.update(zip([n for n, _ in jobs], gptq.quantize_many([(prepared[n][0], h) for n, h in jobs], g)))
+    for name, (wr, inv, rot, g) in prepared.items():
+        q, scale = codes.pop(name) if name in codes else quantize_w8(wr, g)
         qw = W8A8Weight(q, scale, inv, use_kernel, rot)
+        mod = model.get_submodule(name)
         del mod._parameters["weight"]
         mod.weight = qw
         weights.append(qw)
