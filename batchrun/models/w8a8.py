@@ -8,6 +8,9 @@ exact in int32 and its two scales come out of it. A projection whose K GROUP doe
 default because on SmolLM2 they keep what per-row scales lose (scripts/bench_quant.py: top-1 vs bf16 and
 perplexity). SmoothQuant (models/smoothquant.py) balances the channels before the weights are quantized; a
 projection whose input has no norm to fold the factors into divides x by them here (`smooth`), or takes none.
+Where ROTATION divides K the weight's codes are of W @ R (R: a Hadamard matrix per block of 64 columns) and x
+is rotated alike before its quantization (rotate_blocks, and the own kernel's pass); the codes are rounded by
+GPTQ where the calibration pass collected its Hessian blocks (models/gptq.py).
 
 The int32 product has more than one implementation; which one runs for a row count is measured at
 quantize time on the model's own shapes (choose_kernels: one kernel per row-count bucket, kernel_choice()
