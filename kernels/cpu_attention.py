@@ -51,7 +51,7 @@ EXTRA_SOURCES = [CSRC / "cpu_attention_sdpa.cpp", CSRC / "cpu_layer_ops.cpp", CS
                  CSRC / "cpu_gemm_avx2.cpp", CSRC / "cpu_decoder_layer.cpp", CSRC / "cpu_argmax.cpp",
                  CSRC / "cpu_w8a8.cpp", CSRC / "cpu_kv_store.cpp"]
 HEADERS = [CSRC / "vec.h", CSRC / "ops.h", CSRC / "cpu_gemm_avx2.h", CSRC / "cpu_attention_bf16.h",
-           CSRC / "cpu_attention_bf16_prefill.h"]
+           CSRC / "cpu_attention_bf16_prefill.h", CSRC / "cpu_w8a8_quantize.h"]
 # -O2: the hot loops use explicit vector types, so -O3 buys nothing here but triples the build time.
 # No -march: the source compiles its kernel for several ISAs and picks one at run time. Threads come from
 # torch's own pool (stable parallel_for), so no OpenMP flags.
