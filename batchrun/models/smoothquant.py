@@ -107,14 +107,17 @@ def apply_w8a8(model: nn.Module, stats: dict, alpha: Optional[float] = None, unf
         raise ValueError(f"quantization_calibration: no statistics for layer {missing[0]} (a stale cache file?)")
     smoothed = smooth_model(model, stats["act_absmax"], alpha, unfolded)
     weights, total = [], 0
-    prepared, by_shape = {}, {}                  # name -> (rotated weight, inv, rotated?); GPTQ's batches
+    prepared, by_shape = {}, {}                  # name -> (rotated weight, inv, rotated?, group); GPTQ's batches
     for name, (w, inv) in smoothed.items():
+        orig = model.get_submodule(name).weight
         k, g = w.shape[1], group_for(w.shape[1], group)
         rot = rotates(k, rotate)
-        prepared[name] = (rotate_blocks(w.clone()) if rot else w, inv, rot, g)
         if grams is not None and name in grams:
-            h = gptq.change_basis(grams[name], k, column_factors(w, model.get_submodule(name).weight), rot)
+            h = gptq.change_basis(grams[name], k, column_factors(w, orig), rot)
             by_shape.setdefault((tuple(w.shape), g), []).append((name, h))
+        if rot:                                  # in place (one float copy of the model, not two), unless w is orig
+            w = rotate_blocks(w.clone() if w.data_ptr() == orig.data_ptr() else w)
+        prepared[name] = (w, inv, rot, g)
     codes = {}
     for (_, g), jobs in by_shape.items():       # a model's layers share four shapes: a few calls in all
         codes.update(zip([n for n, _ in jobs], gptq.quantize_many([(prepared[n][0], h) for n, h in jobs], g)))
