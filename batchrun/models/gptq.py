@@ -41,12 +41,8 @@ def change_basis(gram: torch.Tensor, k: int, factors: torch.Tensor, rotate: bool
     h = gram * f[:, :, None] * f[:, None, :]
     if not rotate:
         return h
-    hadamard = rotate_blocks(torch.eye(ROTATION))          # symmetric: R's own blocks
-    real = (torch.arange(nb * BLOCK) < k).view(nb, BLOCK)
-    r = torch.zeros(nb, BLOCK, BLOCK)
-    for j in range(0, BLOCK, ROTATION):                  # K's padding keeps the identity
-        r[:, j:j + ROTATION, j:j + ROTATION] = torch.where(real[:, j, None, None], hadamard, torch.eye(ROTATION))
-    return r @ h @ r
+    r = torch.block_diag(*[rotate_blocks(torch.eye(ROTATION))] * (BLOCK // ROTATION))   # symmetric
+    return r @ h @ r                             # K's padding: zero rows and columns, which stay zero
 
 
 def quantize(w: torch.Tensor, gram: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +54,8 @@ def quantize(w: torch.Tensor, gram: torch.Tensor, group: int) -> tuple[torch.Ten
 @torch.no_grad()
 def quantize_many(items: list, group: int, batch: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """quantize() of each (w, gram) of one shape. The blocks are independent, so those of `batch` weights are
-    walked together (a model's 30 layers in 4 calls of a few hundred small ops, not 30), STEP columns at a
-    time, the errors reaching the later columns by one matmul per step."""
+    walked together (a few hundred small ops per call, not per weight), STEP columns at a time, the errors
+    reaching the later columns by one matmul per step."""
     out = []
     for b in range(0, len(items), batch):
         chunk = items[b:b + batch]
