@@ -111,8 +111,10 @@ def submit(job: str = typer.Argument(..., help="The job file (YAML)."),
         gemm = (summary.get("memory_ledger") or {}).get("cpu_gemm")
         if gemm:        # which implementation ran the bf16 projections, per weight shape and row count
             how = "cached" if gemm["cached"] else f"measured in {gemm['measure_s']:.2f}s" if gemm["times_us"] else "forced"
+            loads = gemm.get("weight_loads")
             print(f"bf16 projections (cpu_gemm {gemm['mode']}, {how}): "
-                  + "; ".join(f"{s} {f}" for s, f in gemm["choice"].items()))
+                  + "; ".join(f"{s} {f}" for s, f in gemm["choice"].items())
+                  + (f"; weight loads at few rows {loads['choice']}" if loads else ""))
         att = (summary.get("memory_ledger") or {}).get("cpu_attention")
         if att:         # which implementation ran CPU attention's prefill and decode
             how = "cached" if att["cached"] else f"measured in {att['measure_s']:.2f}s" if att["times_us"] else "fixed"

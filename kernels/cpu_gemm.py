@@ -85,3 +85,20 @@ def unpack(wp: torch.Tensor, n: int) -> torch.Tensor:
 def linear(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] bfloat16 (contiguous rows) @ w.T -> [M, n], wp = pack(w)."""
     return torch.ops.batchrun_cpu.bf16_linear(x, wp, n)
+
+
+WEIGHT_LOADS = ("cached", "nontemporal")
+
+
+def set_weight_loads(mode: str) -> str:
+    """How a product of a few rows (one register tile: each weight read once) loads the weights: "cached"
+    (ordinary loads) or "nontemporal" (64-byte aligned weights only; a hint the CPU may ignore), process-wide;
+    returns the previous mode. models/weight_loads.py measures which is faster here."""
+    if mode not in WEIGHT_LOADS:
+        raise ValueError(f"weight loads must be one of {', '.join(WEIGHT_LOADS)}, got {mode!r}")
+    return WEIGHT_LOADS[int(torch.ops.batchrun_cpu.set_weight_loads(WEIGHT_LOADS.index(mode)))]
+
+
+def weight_loads() -> str:
+    """The mode set_weight_loads() set ("cached" until it is called)."""
+    return WEIGHT_LOADS[int(torch.ops.batchrun_cpu.weight_loads())]

@@ -74,6 +74,56 @@ def test_the_split_over_threads_changes_no_bit(isa, M):
     within_bound(one, x, w)
 
 
+@pytest.fixture
+def nontemporal():
+    """Non-temporal weight loads for the test, the process's mode restored after."""
+    old = cpu_gemm.set_weight_loads("nontemporal")
+    yield
+    cpu_gemm.set_weight_loads(old)
+
+
+def _misaligned(wp: torch.Tensor) -> torch.Tensor:
+    """wp's values in a contiguous tensor 32 bytes past a 64-byte boundary (non-temporal loads refuse it)."""
+    buf = torch.empty(wp.numel() + 64, dtype=wp.dtype)
+    start = (-buf.data_ptr() % 64) // 2 + 16
+    out = buf[start:start + wp.numel()].view(wp.shape)
+    assert out.data_ptr() % 64 == 32 and out.is_contiguous()
+    return out.copy_(wp)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 13])
+@pytest.mark.parametrize("N,K", [(64, 2), (100, 64), (960, 576), (576, 1536)])
+def test_nontemporal_loads_change_no_bit(isa, nontemporal, M, N, K):
+    """Non-temporal weight loads (one row tile: up to 6 rows on AVX-512 BF16, 4 on AVX2) read the same
+    values: the products equal ordinary loads' bit for bit, in both layouts and from a weight that is not
+    64-byte aligned (which takes ordinary loads)."""
+    g = torch.Generator().manual_seed(M * 7 + N)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    layouts = [cpu_gemm.pack(w)] + ([cpu_gemm.pack(w, grouped=False)] if isa == "avx512_bf16" and N % 64 == 0
+                                    else [])
+    for wp in layouts:
+        assert cpu_gemm.weight_loads() == "nontemporal"
+        got = cpu_gemm.linear(x, wp, N)
+        odd = cpu_gemm.linear(x, _misaligned(wp), N)
+        cpu_gemm.set_weight_loads("cached")
+        want = cpu_gemm.linear(x, wp, N)
+        cpu_gemm.set_weight_loads("nontemporal")
+        assert torch.equal(got, want) and torch.equal(odd, want)
+        within_bound(got, x, w)
+
+
+def test_weight_load_modes_are_named():
+    old = cpu_gemm.set_weight_loads("nontemporal")
+    try:
+        assert cpu_gemm.weight_loads() == "nontemporal"
+        assert cpu_gemm.set_weight_loads("cached") == "nontemporal" and cpu_gemm.weight_loads() == "cached"
+        with pytest.raises(ValueError, match="weight loads must be one of cached, nontemporal"):
+            cpu_gemm.set_weight_loads("streaming")
+    finally:
+        cpu_gemm.set_weight_loads(old)
+
+
 def test_bias_and_the_model_side_dispatch():
     w = (torch.randn(64, 32) * 0.1).to(torch.bfloat16)
     b = torch.randn(64).to(torch.bfloat16)

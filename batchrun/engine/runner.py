@@ -23,7 +23,7 @@ from batchrun.kernels import cpu_argmax
 from batchrun.kernels.kv_quant import bytes_view, is_int8, kv_dtype, row_bytes, row_width
 from batchrun.models.attention import TorchAttentionBackend
 from batchrun.models.cpu_fused import fused_ops_supported, use_fused_layer_ops
-from batchrun.models import attention_choice, kernel_choice, quant_kernel_choice
+from batchrun.models import attention_choice, kernel_choice, quant_kernel_choice, weight_loads
 from batchrun.models.cpu_linear import pack_linear_weights, packing_supported
 from batchrun.models.llama import LlamaModel
 from batchrun.models.loader import ModelError, ModelInfo, load_weights
@@ -91,6 +91,7 @@ class ModelRunner:
         try:
             gemm_mode = kernel_choice.resolve_mode(config.cpu_gemm)
             attention_mode = attention_choice.resolve_mode(config.cpu_attention)
+            loads_mode = weight_loads.resolve_mode()
         except ValueError as e:
             raise ModelError(str(e)) from e
         self.quantization = config.quantization
@@ -171,6 +172,8 @@ class ModelRunner:
             self.kernel_choice = chosen["report"]
             self.packed_extra_bytes = pack_linear_weights(model, chosen["choice"], kernel_choice.bucket_of,
                                                           config.max_num_seqs)
+            # and how their few-row products load the weights (ordinary or non-temporal), measured too
+            self.kernel_choice["weight_loads"] = weight_loads.choose(model, self.threads, loads_mode)
         self.packed_linear = self.kernel_choice is not None and any(
             not c.startswith("plain") or "," in c for c in self.kernel_choice["choice"].values())
         # norms, RoPE and SwiGLU's activation as one compiled op each (models/cpu_fused.py); eager CPU only

@@ -46,6 +46,12 @@ class StepInputs:
     def prepare(self, entries: list[ScheduledSeq]):
         """Flat inputs and attention metadata of one step: one Python pass over the entries to read them,
         then vectorised numpy into reused buffers (zero-copy torch views on CPU)."""
+        if entries and all(e.num_new_tokens == 1 and not e.draft for e in entries):
+            return self._prepare_decodes(entries)
+        return self._prepare_mixed(entries)
+
+    def _prepare_mixed(self, entries: list[ScheduledSeq]):
+        """prepare() for any step (prefill chunks, drafts); the reference of _prepare_decodes."""
         bs = self.block_size
         B = len(entries)
         starts, ns, tables_in, ids_in = [], [], [], []
@@ -99,6 +105,46 @@ class StepInputs:
             num_decodes=B if plain else int((n_a == 1).sum()),
             max_query_len=1 if plain else int(n_a.max()),
             max_seq_len=max(lens_host), query_start_loc_host=qsl_host, seq_lens_host=lens_host)
+        input_ids, pos_t = self._to_device(ids), self._to_device(pos)
+        if self.device.type == "cuda":
+            self._h2d_done = torch.cuda.Event()
+            self._h2d_done.record()
+        return input_ids, pos_t, meta
+
+    def _prepare_decodes(self, entries: list[ScheduledSeq]):
+        """prepare() for a step of decodes only (one token each, no draft): the same inputs from plain Python
+        lists, one numpy write per buffer. A decode step of a memory-bound model starts with the caches
+        emptied by the last step's weights, so every numpy call it makes costs several microseconds; the
+        general path's ~25 calls were ~0.2 ms of a 3 ms step at batch 1 (Zen 4)."""
+        bs = self.block_size
+        B = len(entries)
+        seqs = [e.seq for e in entries]
+        starts = [s.num_computed_tokens for s in seqs]
+        tables_in = [s.block_table for s in seqs]
+        W = max(map(len, tables_in))
+        if self.device.type == "cuda" and self._h2d_done is not None:
+            self._h2d_done.synchronize()               # last step's copies out of the staging buffers are done
+        self._buffers(B, B, W)
+        lens_host = [p + 1 for p in starts]
+        padded: list[int] = []
+        for t in tables_in:
+            padded += t
+            if len(t) < W:
+                padded += [0] * (W - len(t))
+        ids, pos, slots = self._ids[:B], self._pos[:B], self._slots[:B]
+        ids[:] = [s.token_ids[p] for s, p in zip(seqs, starts)]
+        pos[:] = starts
+        slots[:] = [t[p // bs] * bs + p % bs for t, p in zip(tables_in, starts)]
+        lens, qsl = self._lens[:B], self._qsl[:B + 1]
+        lens[:] = lens_host
+        qsl[:] = self._arange[:B + 1]
+        tables = self._tables[:B * W]
+        tables[:] = padded
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots), query_start_loc=self._to_device(qsl),
+            seq_lens=self._to_device(lens), block_tables=self._to_device(tables.reshape(B, W)),
+            num_decodes=B, max_query_len=1, max_seq_len=max(lens_host),
+            query_start_loc_host=list(range(B + 1)), seq_lens_host=lens_host)
         input_ids, pos_t = self._to_device(ids), self._to_device(pos)
         if self.device.type == "cuda":
             self._h2d_done = torch.cuda.Event()

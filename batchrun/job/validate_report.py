@@ -47,16 +47,22 @@ def _cpu_gemm(spec: JobSpec, info, dtype) -> dict[str, Any]:
     if resolve_device(e.device).type != "cpu" or dtype != torch.bfloat16 or e.compile or e.tensor_parallel_size > 1:
         return {"mode": mode, "choice": None, "note": "fixed path (bf16 on CPU, eager, one rank measures)"}
     from batchrun.kernels import cpu_attention
-    if mode != "auto":
-        return {"mode": mode, "choice": None, "note": f"forced: {mode} wherever it can hold the weight"}
+    from batchrun.models import weight_loads
     with torch.device("meta"):
         model = LlamaModel(info.args, 8, device=torch.device("meta"))
     threads = e.threads or default_threads()
     built = (cpu_attention.build_dir() / "built").exists()
+    loads_mode = weight_loads.resolve_mode()
+    loads = weight_loads.cached_mode(model, threads) if built and loads_mode == "auto" else None
+    loads = f"{loads_mode} (forced)" if loads_mode != "auto" else f"{loads} (cached)" if loads \
+        else "measured at engine start"
+    if mode != "auto":
+        return {"mode": mode, "choice": None, "note": f"forced: {mode} wherever it can hold the weight",
+                "weight_loads": loads}
     choice = kernel_choice.cached_choice(kernel_choice.projection_shapes(model), threads) if built else None
     note = "cached from an earlier start on this machine" if choice else "measured at engine start (under a second)"
-    return {"mode": mode, "choice": choice, "note": note + ("" if not e.quantization else
-                                                            "; quantized layers run their own kernels")}
+    return {"mode": mode, "choice": choice, "weight_loads": loads,
+            "note": note + ("" if not e.quantization else "; quantized layers run their own kernels")}
 
 
 def _cpu_attention(spec: JobSpec, info, dtype, max_len: int) -> dict[str, Any]:
@@ -199,7 +205,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines += [f"memory  KV {m['kv_bytes_per_token']} B/token ({m['kv_cache_dtype']}); cache {mib(m['kv_cache_bytes'])} ({m['kv_budget']})"
               f" = {m['kv_tokens']} tokens = {m['max_concurrency_at_max_model_len']} sequences at max_model_len; "
               f"max_num_seqs {m['max_num_seqs']}",
-              f"gemm    cpu_gemm {m['cpu_gemm']['mode']}: {m['cpu_gemm']['note']}"]
+              f"gemm    cpu_gemm {m['cpu_gemm']['mode']}: {m['cpu_gemm']['note']}"
+              + (f"; weight loads at few rows {m['cpu_gemm']['weight_loads']}" if "weight_loads" in m["cpu_gemm"] else "")]
     lines += [f"          {shape:<10} {forms}" for shape, forms in (m["cpu_gemm"]["choice"] or {}).items()]
     att = m["cpu_attention"]
     lines += [f"attn    cpu_attention {att['mode']}: {att['note']}"

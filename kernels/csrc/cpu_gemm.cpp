@@ -50,8 +50,8 @@ constexpr int MR = 6;   // rows per tile: 6 x 4 accumulators + 4 weight vectors 
 #define BR_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 // rows [m0, m0 + R) x blocks [b0, b0 + B) of the output; R <= MR, B <= NB; Grouped: the groups layout
-// (b0 a multiple of NB, B == NB)
-template <int R, int B, bool Grouped>
+// (b0 a multiple of NB, B == NB); NT: the weights by non-temporal loads (64-byte aligned; brgemm::nontemporal)
+template <int R, int B, bool Grouped, bool NT>
 BR_BF16_TARGET inline void tile(const uint16_t* __restrict__ x, int64_t xs, const uint16_t* __restrict__ wp,
                                 int64_t KP, int64_t b0, uint16_t* __restrict__ out, int64_t os, int64_t n) {
   // block b's pair p: blocks layout at (b KP + p) 32, groups layout at (p NB + b) 32 from the tile's start
@@ -64,7 +64,10 @@ BR_BF16_TARGET inline void tile(const uint16_t* __restrict__ x, int64_t xs, cons
   for (int64_t p = 0; p < KP; ++p) {
     __m512i w[B];
 #pragma GCC unroll 8
-    for (int b = 0; b < B; ++b) w[b] = _mm512_loadu_si512(w0 + (Grouped ? p * NB + b : b * KP + p) * 32);
+    for (int b = 0; b < B; ++b) {
+      const uint16_t* v = w0 + (Grouped ? p * NB + b : b * KP + p) * 32;
+      w[b] = NT ? _mm512_stream_load_si512(const_cast<uint16_t*>(v)) : _mm512_loadu_si512(v);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       int32_t pair;
@@ -87,34 +90,35 @@ BR_BF16_TARGET inline void tile(const uint16_t* __restrict__ x, int64_t xs, cons
     }
 }
 
-template <int R, bool Grouped>
+template <int R, bool Grouped, bool NT>
 BR_BF16_TARGET inline void row_tile(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t KP, int64_t b0,
                                     int64_t nb, uint16_t* out, int64_t os, int64_t n) {
-  if (Grouped) return tile<R, NB, true>(x, xs, wp, KP, b0, out, os, n);
+  if (Grouped) return tile<R, NB, true, NT>(x, xs, wp, KP, b0, out, os, n);
   switch (nb) {
-    case 4: return tile<R, 4, false>(x, xs, wp, KP, b0, out, os, n);
-    case 3: return tile<R, 3, false>(x, xs, wp, KP, b0, out, os, n);
-    case 2: return tile<R, 2, false>(x, xs, wp, KP, b0, out, os, n);
-    default: return tile<R, 1, false>(x, xs, wp, KP, b0, out, os, n);
+    case 4: return tile<R, 4, false, NT>(x, xs, wp, KP, b0, out, os, n);
+    case 3: return tile<R, 3, false, NT>(x, xs, wp, KP, b0, out, os, n);
+    case 2: return tile<R, 2, false, NT>(x, xs, wp, KP, b0, out, os, n);
+    default: return tile<R, 1, false, NT>(x, xs, wp, KP, b0, out, os, n);
   }
 }
 
-// output block groups [g0, g1) (NB blocks each, the last one maybe fewer) for all M rows
-template <bool Grouped>
+// output block groups [g0, g1) (NB blocks each, the last one maybe fewer) for all M rows; NT only where
+// M <= MR (one row tile: each weight read once)
+template <bool Grouped, bool NT = false>
 BR_BF16_TARGET void run_groups(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t KP,
                                int64_t blocks, uint16_t* out, int64_t os, int64_t n, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t b0 = g * NB, nb = std::min<int64_t>(NB, blocks - b0);
     int64_t m = 0;
-    for (; m + MR <= M; m += MR) row_tile<MR, Grouped>(x + m * xs, xs, wp, KP, b0, nb, out + m * os, os, n);
+    for (; m + MR <= M; m += MR) row_tile<MR, Grouped, NT>(x + m * xs, xs, wp, KP, b0, nb, out + m * os, os, n);
     const uint16_t* xr = x + m * xs;
     uint16_t* o = out + m * os;
     switch (M - m) {
-      case 5: row_tile<5, Grouped>(xr, xs, wp, KP, b0, nb, o, os, n); break;
-      case 4: row_tile<4, Grouped>(xr, xs, wp, KP, b0, nb, o, os, n); break;
-      case 3: row_tile<3, Grouped>(xr, xs, wp, KP, b0, nb, o, os, n); break;
-      case 2: row_tile<2, Grouped>(xr, xs, wp, KP, b0, nb, o, os, n); break;
-      case 1: row_tile<1, Grouped>(xr, xs, wp, KP, b0, nb, o, os, n); break;
+      case 5: row_tile<5, Grouped, NT>(xr, xs, wp, KP, b0, nb, o, os, n); break;
+      case 4: row_tile<4, Grouped, NT>(xr, xs, wp, KP, b0, nb, o, os, n); break;
+      case 3: row_tile<3, Grouped, NT>(xr, xs, wp, KP, b0, nb, o, os, n); break;
+      case 2: row_tile<2, Grouped, NT>(xr, xs, wp, KP, b0, nb, o, os, n); break;
+      case 1: row_tile<1, Grouped, NT>(xr, xs, wp, KP, b0, nb, o, os, n); break;
       default: break;
     }
   }
@@ -180,12 +184,18 @@ Tensor bf16_linear(Tensor x, Tensor wp, int64_t n) {
     chunks = std::min((8 * threads + groups - 1) / groups, M / (2 * MR));
   const int64_t per = (M + chunks - 1) / chunks, rows = (per + MR - 1) / MR * MR;  // whole row tiles
   chunks = (M + rows - 1) / rows;
+  // a product of one row tile reads each weight once: by non-temporal loads where brgemm::nontemporal says
+  const bool nt = M <= MR && brgemm::streams_weights(w);
   auto body = [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {
       const int64_t g = i / chunks, c0 = i % chunks, c1 = std::min(chunks, c0 + (i1 - i));
       const int64_t m0 = c0 * rows, m1 = std::min(M, c1 * rows);
-      if (grouped) run_groups<true>(xp + m0 * xs, xs, m1 - m0, w, KP, blocks, o + m0 * os, os, n, g, g + 1);
-      else run_groups<false>(xp + m0 * xs, xs, m1 - m0, w, KP, blocks, o + m0 * os, os, n, g, g + 1);
+      const uint16_t* xr = xp + m0 * xs;
+      uint16_t* orow = o + m0 * os;
+      if (grouped && nt) run_groups<true, true>(xr, xs, m1 - m0, w, KP, blocks, orow, os, n, g, g + 1);
+      else if (grouped) run_groups<true>(xr, xs, m1 - m0, w, KP, blocks, orow, os, n, g, g + 1);
+      else if (nt) run_groups<false, true>(xr, xs, m1 - m0, w, KP, blocks, orow, os, n, g, g + 1);
+      else run_groups<false>(xr, xs, m1 - m0, w, KP, blocks, orow, os, n, g, g + 1);
       i += c1 - c0;
     }
   };
@@ -200,6 +210,9 @@ bool bf16_linear_supported() { return supported(); }
 // the highest ISA the kernel may use (1 AVX2, 2 AVX-512 BF16; capped by the machine's); returns the old cap
 int64_t set_gemm_isa(int64_t cap) { return isa_cap.exchange(cap); }
 int64_t gemm_isa() { return isa(); }
+// how a product of a few rows loads the weights: 0 ordinary loads, 1 non-temporal; returns the old mode
+int64_t set_weight_loads(int64_t mode) { return brgemm::nontemporal.exchange(mode != 0); }
+int64_t weight_loads() { return brgemm::nontemporal.load(); }
 
 }  // namespace
 
@@ -212,6 +225,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(batchrun_cpu, m) {
   m.def("bf16_linear_supported() -> bool");
   m.def("set_gemm_isa(int isa) -> int");
   m.def("gemm_isa() -> int");
+  m.def("set_weight_loads(int mode) -> int");
+  m.def("weight_loads() -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) { m.impl("bf16_linear", TORCH_BOX(&bf16_linear)); }
@@ -220,4 +235,6 @@ STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CompositeExplicitAutograd, m) {
   m.impl("bf16_linear_supported", TORCH_BOX(&bf16_linear_supported));
   m.impl("set_gemm_isa", TORCH_BOX(&set_gemm_isa));
   m.impl("gemm_isa", TORCH_BOX(&gemm_isa));
+  m.impl("set_weight_loads", TORCH_BOX(&set_weight_loads));
+  m.impl("weight_loads", TORCH_BOX(&weight_loads));
 }

@@ -63,7 +63,7 @@ BR_AVX2_TARGET inline void store_bf16(__m256 lo, __m256 hi, uint16_t* out, int64
 // x: the rows widened to float, even inputs then odd ones ([2, KP] a row, row stride xs), so each broadcast
 // is one load (moving a scalar from an integer register to a vector one is slow on Zen). At one or two rows
 // the even and odd products go to separate accumulators (four short dependency chains a row, not two long).
-template <int R>
+template <int R, bool NT>
 BR_AVX2_TARGET inline void stream_tile(const float* __restrict__ x, int64_t xs, const uint16_t* __restrict__ wp,
                                        int64_t KP, int64_t b, uint16_t* __restrict__ out, int64_t os, int64_t n) {
   constexpr int A = R <= 2 ? 4 : 2;
@@ -76,9 +76,11 @@ BR_AVX2_TARGET inline void stream_tile(const float* __restrict__ x, int64_t xs, 
   for (int64_t p = 0; p < KP; ++p) {
     // one stream a thread: the hardware prefetcher alone keeps too few lines in flight to reach memory speed
     // (Zen 1, two threads: 11-13 GB/s without this, 15-17 with it)
-    _mm_prefetch(reinterpret_cast<const char*>(w + p * 32 + kPrefetchAhead), _MM_HINT_T0);
-    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));       // outputs 0..7
-    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));  // outputs 8..15
+    // (NT: to L1 only, and non-temporal loads: cpu_gemm_avx2.h's brgemm::nontemporal)
+    _mm_prefetch(reinterpret_cast<const char*>(w + p * 32 + kPrefetchAhead), NT ? _MM_HINT_NTA : _MM_HINT_T0);
+    const __m256i* wv = reinterpret_cast<const __m256i*>(w + p * 32);
+    const __m256i v0 = NT ? _mm256_stream_load_si256(wv) : _mm256_loadu_si256(wv);               // outputs 0..7
+    const __m256i v1 = NT ? _mm256_stream_load_si256(wv + 1) : _mm256_loadu_si256(wv + 1);       // outputs 8..15
     const __m256 e0 = even_half(v0), o0 = odd_half(v0), e1 = even_half(v1), o1 = odd_half(v1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -116,18 +118,19 @@ void widen_split(const uint16_t* x, int64_t xs, int64_t M, int64_t KP, float* xf
     }
 }
 
+template <bool NT>
 BR_AVX2_TARGET void stream_blocks(const float* x, int64_t M, const uint16_t* wp, int64_t KP, uint16_t* out,
                                   int64_t os, int64_t n, int64_t b0, int64_t b1) {
   const int64_t xs = 2 * KP;
   for (int64_t b = b0; b < b1; ++b) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) stream_tile<4>(x + m * xs, xs, wp, KP, b, out + m * os, os, n);
+    for (; m + 4 <= M; m += 4) stream_tile<4, NT>(x + m * xs, xs, wp, KP, b, out + m * os, os, n);
     const float* xr = x + m * xs;
     uint16_t* o = out + m * os;
     switch (M - m) {
-      case 3: stream_tile<3>(xr, xs, wp, KP, b, o, os, n); break;
-      case 2: stream_tile<2>(xr, xs, wp, KP, b, o, os, n); break;
-      case 1: stream_tile<1>(xr, xs, wp, KP, b, o, os, n); break;
+      case 3: stream_tile<3, NT>(xr, xs, wp, KP, b, o, os, n); break;
+      case 2: stream_tile<2, NT>(xr, xs, wp, KP, b, o, os, n); break;
+      case 1: stream_tile<1, NT>(xr, xs, wp, KP, b, o, os, n); break;
       default: break;
     }
   }
@@ -226,7 +229,11 @@ void avx2_linear(const uint16_t* x, int64_t xs, int64_t M, int64_t K, const uint
   std::vector<float> xf(static_cast<size_t>(M * K));
   if (M < kManyRows) {
     widen_split(x, xs, M, KP, xf.data());
-    auto body = [&](int64_t b0, int64_t b1) { stream_blocks(xf.data(), M, wp, KP, out, os, n, b0, b1); };
+    const bool nt = M <= 4 && streams_weights(wp);   // one tile of <= 4 rows reads each weight once
+    auto body = [&](int64_t b0, int64_t b1) {
+      if (nt) stream_blocks<true>(xf.data(), M, wp, KP, out, os, n, b0, b1);
+      else stream_blocks<false>(xf.data(), M, wp, KP, out, os, n, b0, b1);
+    };
     if (one_thread(blocks, M, K)) body(0, blocks);
     else parallel_runs(blocks, body);
     return;

@@ -27,6 +27,17 @@ void parallel_runs(int64_t n, const F& body) {
   });
 }
 
+// A product of a few rows reads each weight byte once. Ordinary loads leave those bytes in every cache level,
+// so a decode step ends with the caches full of weights and the host's next step (Python, the scheduler, the
+// inputs) misses on everything it touches; non-temporal loads mark them for early eviction. Whether that
+// is faster depends on the CPU (AMD honours the hint on ordinary memory; Intel may not), so
+// models/weight_loads.py measures it at engine start and sets this. Only 64-byte aligned weights (every
+// packed tensor torch allocates) take non-temporal loads.
+inline std::atomic<bool> nontemporal{false};
+inline bool streams_weights(const void* wp) {
+  return nontemporal.load(std::memory_order_relaxed) && reinterpret_cast<uintptr_t>(wp) % 64 == 0;
+}
+
 void avx2_linear(const uint16_t* x, int64_t xs, int64_t M, int64_t K, const uint16_t* wp, int64_t blocks,
                  uint16_t* out, int64_t os, int64_t n);
 
