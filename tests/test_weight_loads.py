@@ -29,10 +29,34 @@ def _restore_mode(monkeypatch):
 
 
 def test_nontemporal_only_where_it_is_clearly_faster():
-    assert wl.decide({"cached": 1.0, "nontemporal": 0.97}) == "nontemporal"
-    assert wl.decide({"cached": 1.0, "nontemporal": wl.MARGIN}) == "nontemporal"
-    assert wl.decide({"cached": 1.0, "nontemporal": 0.99}) == "cached"        # within noise: the CPU's default
-    assert wl.decide({"cached": 1.0, "nontemporal": 1.5}) == "cached"
+    assert wl.decide({"ratio": 0.97}) == "nontemporal"
+    assert wl.decide({"ratio": wl.MARGIN}) == "nontemporal"
+    assert wl.decide({"ratio": 0.99}) == "cached"        # within noise: the CPU's default
+    assert wl.decide({"ratio": 1.5}) == "cached"
+
+
+def test_the_measured_ratio_is_the_median_of_adjacent_pairs(monkeypatch):
+    """On a clock where a step with non-temporal loads takes 0.9 of an ordinary one, but one of them 5x (a
+    neighbour's burst), the ratio is 0.9; the process's mode is restored after."""
+    clock, steps = [0.0], {"cached": 0, "nontemporal": 0}
+
+    def step():                 # stands in for a decode step: advances the clock by the mode's cost
+        mode = cpu_gemm.weight_loads()
+        steps[mode] += 1
+        clock[0] += 5e-3 if mode == "nontemporal" and steps[mode] == 4 else {"cached": 1e-3, "nontemporal": 9e-4}[mode]
+    monkeypatch.setattr(wl.time, "perf_counter", lambda: clock[0])
+    cpu_gemm.set_weight_loads("nontemporal")
+    m = wl.measure(step)
+    assert m["reps"] == wl.REPS and steps == {"cached": wl.REPS + 1, "nontemporal": wl.REPS + 1}
+    assert m["ratio"] == pytest.approx(0.9) and m["cached"] == pytest.approx(1e-3)
+    assert m["nontemporal"] == pytest.approx(9e-4) and wl.decide(m) == "nontemporal"
+    assert cpu_gemm.weight_loads() == "nontemporal"
+
+
+def test_long_steps_take_fewer_reps():
+    assert wl.reps_for(1e-3) == wl.REPS
+    assert wl.reps_for(wl.BUDGET_S / 8) == 4
+    assert wl.reps_for(10.0) == wl.MIN_REPS
 
 
 def test_a_bad_env_value_is_a_one_line_model_error(hf_models, monkeypatch):
@@ -50,7 +74,7 @@ def test_auto_measures_once_per_machine_and_sets_the_mode(hf_models, monkeypatch
     first = LLM(path, dtype="bfloat16", max_num_seqs=2).engine.memory_ledger["cpu_gemm"]["weight_loads"]
     assert first["mode"] == "auto" and first["cached"] is False and first["measure_s"] > 0
     assert sorted(first["times_us"]) == ["cached", "nontemporal"] and all(t > 0 for t in first["times_us"].values())
-    assert first["choice"] == wl.decide(first["times_us"]) == cpu_gemm.weight_loads()
+    assert first["choice"] == wl.decide(first) == cpu_gemm.weight_loads() and first["ratio"] > 0
     files = list((tmp_path / "weight_loads").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["choice"] == first["choice"]
     cpu_gemm.set_weight_loads("cached" if first["choice"] == "nontemporal" else "nontemporal")
@@ -61,16 +85,26 @@ def test_auto_measures_once_per_machine_and_sets_the_mode(hf_models, monkeypatch
     assert third["cached"] is False and json.loads(files[0].read_text())["choice"] == third["choice"]
 
 
-def test_the_timed_stream_is_what_a_decode_step_reads(hf_models):
-    """Every projection of the layers, then the logits weight, as the own kernel's packed tensors."""
-    model = LLM(hf_models["llama"][0], dtype="bfloat16", max_num_seqs=2).engine.runner.model
-    timed = wl._timed_weights(model, l3=1 << 40)
-    linears = [m.weight for layer in model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-    head = getattr(model, "logits_weight", None)
-    head = head if head is not None else model.lm_head.weight
-    assert [w.data_ptr() for w in timed] == [w.data_ptr() for w in linears + [head]]
-    assert all(w.dim() >= 4 for w in timed)
-    assert len(wl._timed_weights(model, l3=1)) == 1               # cut once past 8 x l3 bytes
+def test_the_probe_step_is_a_greedy_decode_step_of_the_engine(hf_models, monkeypatch):
+    """What the choice times: one decode step through the runner (inputs, forward, logits, argmax) on the
+    first blocks of the KV cache, leaving the runner's counters and a job's first step as they were."""
+    from batchrun.engine.probe_step import CONTEXT, decode_step
+    llm = LLM(hf_models["llama"][0], dtype="bfloat16", max_num_seqs=2)
+    runner = llm.engine.runner
+    assert wl.runs_own_at_one_row(runner.model)
+    seen = []
+    real = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda out: seen.append(out) or real(out))
+    before = runner.forward_s
+    decode_step(runner)()
+    (out,) = seen
+    (e,) = out.scheduled
+    assert e.num_new_tokens == 1 and e.samples and e.seq.num_computed_tokens == CONTEXT
+    assert e.seq.block_table == list(range(-(-(CONTEXT + 1) // runner.block_size)))
+    assert runner.forward_s == before
+    monkeypatch.setattr(runner, "execute", real)
+    want = LLM(hf_models["llama"][0], dtype="bfloat16", max_num_seqs=2).generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == [o.token_ids for o in want]
 
 
 @pytest.mark.parametrize("mode", ["cached", "nontemporal"])
@@ -82,7 +116,7 @@ def test_a_forced_mode_is_set_and_changes_no_token(hf_models, monkeypatch, mode)
     monkeypatch.setenv(wl.ENV, mode)
     llm = LLM(path, dtype="bfloat16", max_num_seqs=2)
     rep = llm.engine.memory_ledger["cpu_gemm"]["weight_loads"]
-    assert rep["mode"] == rep["choice"] == mode == cpu_gemm.weight_loads() and rep["times_us"] is None
+    assert rep["mode"] == rep["choice"] == mode == cpu_gemm.weight_loads() and rep["times_us"] is None is rep["ratio"]
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == want
 
 

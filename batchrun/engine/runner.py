@@ -18,6 +18,7 @@ from batchrun.engine.kv_memory import check_fits_one_sequence, kv_budget, lazy_z
 from batchrun.engine.logprobs import record_prompt
 from batchrun.engine.sampler import sample_seqs, verify_drafts
 from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
+from batchrun.engine.probe_step import decode_step
 from batchrun.engine.step_inputs import StepInputs
 from batchrun.kernels import cpu_argmax
 from batchrun.kernels.kv_quant import bytes_view, is_int8, kv_dtype, row_bytes, row_width
@@ -172,8 +173,6 @@ class ModelRunner:
             self.kernel_choice = chosen["report"]
             self.packed_extra_bytes = pack_linear_weights(model, chosen["choice"], kernel_choice.bucket_of,
                                                           config.max_num_seqs)
-            # and how their few-row products load the weights (ordinary or non-temporal), measured too
-            self.kernel_choice["weight_loads"] = weight_loads.choose(model, self.threads, loads_mode)
         self.packed_linear = self.kernel_choice is not None and any(
             not c.startswith("plain") or "," in c for c in self.kernel_choice["choice"].values())
         # norms, RoPE and SwiGLU's activation as one compiled op each (models/cpu_fused.py); eager CPU only
@@ -190,6 +189,9 @@ class ModelRunner:
                 and self.world == 1:
             from batchrun.engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, config.max_num_seqs)
+        if self.kernel_choice is not None:   # how few-row products load the weights, timed on real decode steps
+            step = decode_step(self) if self.world == 1 else None
+            self.kernel_choice["weight_loads"] = weight_loads.choose(model, step, self.threads, loads_mode)
 
     def _select_backend(self):
         choice = self.config.attention_backend
