@@ -296,10 +296,15 @@ def test_runtime_section_is_validated():
 def test_a_dry_replica_steals_queued_units(setup):
     """units_in_flight = all units: the first replica up is handed every unit; the second, up a moment
     later, is dry at once and must steal the first one's assigned-but-unread units instead of idling.
-    Batches of 2 sequences (the others run 16), so the job outlasts the second replica's start; greedy
-    float32 outputs do not depend on the batch, so the oracle is the module's single-process run."""
-    d, job, ref = setup
-    slow = {**job, "engine": {**job["engine"], "max_num_seqs": 2}}
+    Batches of 2 sequences (the others run 16) and 6x the module's new tokens, so the job outlasts the
+    second replica's start even where the tests' other worker slows that start (the module's job alone
+    takes ~1.5 s of engine time); the oracle is the same job's single-process run."""
+    d, job, _ = setup
+    slow = {**job, "engine": {**job["engine"], "max_num_seqs": 2},
+            "sampling": {**job["sampling"], "max_tokens": 6 * job["sampling"]["max_tokens"]}}
+    JobRunner(make_plan(parse_job({**slow, "runtime": {"backend": "local"}, "output": {"uri": str(d / "steal_ref")}},
+                                  "<ref>", "/")), progress_bar=False).run()
+    ref = results(str(d / "steal_ref"))
     out = str(d / "steal")
     s = ray_runner({**slow, "runtime": {**RUNTIME, "units_in_flight": UNITS}}, out).run()
     check_exactly_once(out, ref)

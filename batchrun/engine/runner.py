@@ -16,9 +16,9 @@ from batchrun.engine.block_pool import blocks_needed
 from batchrun.engine.config import EngineConfig, default_threads
 from batchrun.engine.kv_memory import check_fits_one_sequence, kv_budget, lazy_zeros
 from batchrun.engine.logprobs import record_prompt
+from batchrun.engine.probe_step import decode_step
 from batchrun.engine.sampler import sample_seqs, verify_drafts
 from batchrun.engine.scheduler import ScheduledSeq, SchedulerOutput
-from batchrun.engine.probe_step import decode_step
 from batchrun.engine.step_inputs import StepInputs
 from batchrun.kernels import cpu_argmax
 from batchrun.kernels.kv_quant import bytes_view, is_int8, kv_dtype, row_bytes, row_width
