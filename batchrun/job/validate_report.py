@@ -36,7 +36,8 @@ def _kv_budget_estimate(spec: JobSpec, weights_bytes: int, kv_bytes_per_token: i
 
 def _cpu_gemm(spec: JobSpec, info, dtype) -> dict[str, Any]:
     """Which implementation will run the bf16 projections (models/kernel_choice.py), without loading weights:
-    a forced form, auto's choice cached by an earlier start on this machine, or "measured at start"."""
+    a forced form, auto's choice cached by an earlier start on this machine, or "measured at start"; and how
+    the own kernel's few-row products load the weights (models/weight_loads.py), the same three ways."""
     import torch
     from batchrun.engine.config import default_threads
     from batchrun.engine.runner import resolve_device
