@@ -46,9 +46,16 @@ class StepInputs:
     def prepare(self, entries: list[ScheduledSeq]):
         """Flat inputs and attention metadata of one step: one Python pass over the entries to read them,
         then vectorised numpy into reused buffers (zero-copy torch views on CPU)."""
+        if self.device.type == "cuda" and self._h2d_done is not None:
+            self._h2d_done.synchronize()               # last step's copies out of the staging buffers are done
         if entries and all(e.num_new_tokens == 1 and not e.draft for e in entries):
-            return self._prepare_decodes(entries)
-        return self._prepare_mixed(entries)
+            out = self._prepare_decodes(entries)
+        else:
+            out = self._prepare_mixed(entries)
+        if self.device.type == "cuda":
+            self._h2d_done = torch.cuda.Event()
+            self._h2d_done.record()
+        return out
 
     def _prepare_mixed(self, entries: list[ScheduledSeq]):
         """prepare() for any step (prefill chunks, drafts); the reference of _prepare_decodes."""
@@ -74,8 +81,6 @@ class StepInputs:
         T = B if plain else int(n_a.sum())
         bt_lens = np.fromiter(map(len, tables_in), dtype=np.int64, count=B)
         W = int(bt_lens.max())
-        if self.device.type == "cuda" and self._h2d_done is not None:
-            self._h2d_done.synchronize()               # last step's copies out of the staging buffers are done
         self._buffers(T, B, W)
         ar = self._arange
         ids = self._ids[:T]
@@ -106,9 +111,6 @@ class StepInputs:
             max_query_len=1 if plain else int(n_a.max()),
             max_seq_len=max(lens_host), query_start_loc_host=qsl_host, seq_lens_host=lens_host)
         input_ids, pos_t = self._to_device(ids), self._to_device(pos)
-        if self.device.type == "cuda":
-            self._h2d_done = torch.cuda.Event()
-            self._h2d_done.record()
         return input_ids, pos_t, meta
 
     def _prepare_decodes(self, entries: list[ScheduledSeq]):
@@ -122,8 +124,6 @@ class StepInputs:
         starts = [s.num_computed_tokens for s in seqs]
         tables_in = [s.block_table for s in seqs]
         W = max(map(len, tables_in))
-        if self.device.type == "cuda" and self._h2d_done is not None:
-            self._h2d_done.synchronize()               # last step's copies out of the staging buffers are done
         self._buffers(B, B, W)
         lens_host = [p + 1 for p in starts]
         padded: list[int] = []
@@ -146,9 +146,6 @@ class StepInputs:
             num_decodes=B, max_query_len=1, max_seq_len=max(lens_host),
             query_start_loc_host=list(range(B + 1)), seq_lens_host=lens_host)
         input_ids, pos_t = self._to_device(ids), self._to_device(pos)
-        if self.device.type == "cuda":
-            self._h2d_done = torch.cuda.Event()
-            self._h2d_done.record()
         return input_ids, pos_t, meta
 
     def _to_device(self, a: np.ndarray) -> torch.Tensor:

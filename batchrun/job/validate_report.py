@@ -54,9 +54,11 @@ def _cpu_gemm(spec: JobSpec, info, dtype) -> dict[str, Any]:
     threads = e.threads or default_threads()
     built = (cpu_attention.build_dir() / "built").exists()
     loads_mode = weight_loads.resolve_mode()
-    loads = weight_loads.cached_mode(model, threads) if built and loads_mode == "auto" else None
-    loads = f"{loads_mode} (forced)" if loads_mode != "auto" else f"{loads} (cached)" if loads \
-        else "measured at engine start"
+    if loads_mode != "auto":
+        loads = f"{loads_mode} (forced)"
+    else:
+        cached = weight_loads.cached_mode(model, threads) if built else None
+        loads = f"{cached} (cached)" if cached else "measured at engine start"
     if mode != "auto":
         return {"mode": mode, "choice": None, "note": f"forced: {mode} wherever it can hold the weight",
                 "weight_loads": loads}
