@@ -202,6 +202,14 @@ def attention_isa() -> str:
     return ISAS[int(torch.ops.batchrun_cpu.attention_isa())]
 
 
+def set_kv_prefetch(tiles: int) -> int:
+    """How many 16-key tiles ahead a decode step prefetches a bfloat16 cache on the VDPBF16PS path: 2 (the
+    default) or 1 (the next tile only; benchmarks compare the two). Returns the previous value."""
+    if not load():
+        raise RuntimeError(f"CPU attention op unavailable: {_state['error']}")
+    return int(torch.ops.batchrun_cpu.set_kv_prefetch(int(tiles)))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     sliding_window: Optional[int] = None, *, isa: Optional[str] = None, k_scale: float = 1.0,

@@ -170,6 +170,29 @@ def test_lower_instruction_sets_agree(isa):
                                    rtol=1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (6, 2, 128)], ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+def test_prefetch_distance_changes_no_bit(heads):
+    """Decode prefetches a bfloat16 cache one or two tiles ahead (set_kv_prefetch): the same bits either way,
+    on scattered blocks, short and ragged tiles, and a cache whose rows do not start on a cache line."""
+    qlens, ctxs = [1] * 8 + [3], [1, 15, 16, 17, 33, 150, 600, 2000, 70]
+    q, kc, vc, qsl, bt, tables = make_batch(21, qlens, ctxs, *heads, torch.bfloat16)
+    off = torch.empty(kc.numel() + 16, dtype=torch.bfloat16)[16:].view(kc.shape)   # 32 bytes off a line
+    off.copy_(kc)
+    old = ca.set_kv_prefetch(2)
+    try:
+        for k in (kc, off):
+            far = run(q, k, vc, qsl, ctxs, bt, 0.1, None)
+            ca.set_kv_prefetch(1)
+            near = run(q, k, vc, qsl, ctxs, bt, 0.1, None)
+            ca.set_kv_prefetch(2)
+            assert torch.equal(far, near)
+        assert_close_p_rounded(far, *oracle(q, kc, vc, qsl, ctxs, tables, 0.1, None, magnitude=True))
+        with pytest.raises(RuntimeError, match="1 or 2 tiles"):
+            ca.set_kv_prefetch(3)
+    finally:
+        ca.set_kv_prefetch(old)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_context_partitions_across_threads(dtype):
     """Few sequences with long contexts and several threads: contexts are split and the parts merged (bf16:

@@ -701,6 +701,15 @@ Tensor paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_st
 }
 
 int64_t cpu_isa() { return best_isa(); }
+// how many tiles ahead decode prefetches a bfloat16 cache (1 or 2; cpu_attention_bf16.h); returns the old value
+int64_t set_kv_prefetch(int64_t tiles) {
+  STD_TORCH_CHECK(tiles == 1 || tiles == 2, "set_kv_prefetch: 1 or 2 tiles, got ", tiles);
+#ifdef BR_X86_DISPATCH
+  return kv_prefetch_tiles.exchange(tiles);
+#else
+  return tiles;
+#endif
+}
 
 }  // namespace
 
@@ -719,6 +728,7 @@ STABLE_TORCH_LIBRARY(batchrun_cpu, m) {
         "float v_scale=1.0, int sdpa_from=-1) -> Tensor");
   m.def("cpu_isa() -> int");
   m.def("attention_isa() -> int");
+  m.def("set_kv_prefetch(int tiles) -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) {
@@ -728,4 +738,5 @@ STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CPU, m) {
 STABLE_TORCH_LIBRARY_IMPL(batchrun_cpu, CompositeExplicitAutograd, m) {
   m.impl("cpu_isa", TORCH_BOX(&cpu_isa));
   m.impl("attention_isa", TORCH_BOX(&attention_isa));
+  m.impl("set_kv_prefetch", TORCH_BOX(&set_kv_prefetch));
 }
