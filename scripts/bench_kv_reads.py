@@ -1,7 +1,8 @@
 """How a decode step's attention reads the KV cache on CPU: the own kernel on caches laid out as the engine
 holds them (every layer's K and V in one lazily paged tensor of --blocks blocks, each sequence's blocks
-scattered among twice as many), in 4 KiB pages or transparent huge pages (engine/kv_memory.py), prefetching a
-bfloat16 cache one or two 16-key tiles ahead (cpu_attention.set_kv_prefetch). The four variants alternate
+scattered among twice as many), in 4 KiB pages (engine/kv_memory.py, the engine's) or transparent huge pages
+(a models/huge_pages.py slab), prefetching a bfloat16 cache one or two 16-key tiles ahead
+(cpu_attention.set_kv_prefetch). The four variants alternate
 rep by rep in one process (the order reversed every other rep); each prints its median ms per layer, the
 KV read rate, and its time as a share of the old default's (4 KiB pages, one tile ahead).
 
@@ -37,16 +38,10 @@ def run_shape(b: int, ctx: int, hq: int, hkv: int, d: int, layers: int, blocks: 
     if used > blocks:
         raise SystemExit(f"--blocks {blocks} holds fewer than the {used} blocks of {b}x{ctx}")
     data = torch.randn(layers, 2, used, 16, hkv, d).to(torch.bfloat16)
-    caches = {}
-    for pages in ("4k", "huge"):
-        if pages == "huge":
-            os.environ.pop(huge_pages.HUGE_PAGES_ENV, None)
-        else:
-            os.environ[huge_pages.HUGE_PAGES_ENV] = "0"
-        kv = lazy_zeros((layers, 2, blocks, 16, hkv, d), torch.bfloat16, huge=True)
+    shape = (layers, 2, blocks, 16, hkv, d)
+    caches = {"4k": lazy_zeros(shape, torch.bfloat16), "huge": huge_pages.Slab([shape], torch.bfloat16).take(shape)}
+    for kv in caches.values():
         kv[:, :, :used].copy_(data)
-        caches[pages] = kv
-    os.environ.pop(huge_pages.HUGE_PAGES_ENV, None)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(b, hq, d, generator=g).to(torch.bfloat16)
     lens = torch.full((b,), ctx, dtype=torch.int32)

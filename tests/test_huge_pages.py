@@ -1,7 +1,6 @@
-"""Packed weights and the CPU KV cache in transparent huge pages (batchrun/models/huge_pages.py,
-engine/kv_memory.py): the slab's tensors are aligned, disjoint and bounded; where the OS offers THP their
-memory really is in 2 MiB pages (read back from /proc/self/smaps); a lazy KV tensor reads zero until written;
-the engine packs and holds its cache in them and gives the same tokens as without."""
+"""Packed weights in transparent huge pages (batchrun/models/huge_pages.py): the slab's tensors are aligned,
+disjoint and bounded; where the OS offers THP their memory really is in 2 MiB pages (read back from
+/proc/self/smaps); the engine packs into one and gives the same tokens as without."""
 import pytest
 import torch
 
@@ -102,34 +101,4 @@ def test_engine_packs_into_huge_pages_and_generates_the_same(hf_models, monkeypa
     plain = LLM(path, dtype="bfloat16", max_num_seqs=4)
     if "[madvise]" in thp_setting():            # (with `always` any large allocation may get huge pages)
         assert huge_kib_at(plain.engine.runner.model.layers[0].mlp.down_proj.weight.data_ptr()) == 0
-    assert [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == got
-
-
-def test_lazy_kv_tensor_reads_zero_and_takes_huge_pages_once_written(monkeypatch):
-    from batchrun.engine.kv_memory import lazy_zeros
-    t = lazy_zeros((4, 2, 64, 16, 2, 64), torch.bfloat16, huge=True)      # 16 MiB
-    assert t.is_contiguous() and float(t.abs().sum()) == 0.0
-    t[1, 0, :8].fill_(1)
-    assert float(t.sum()) == 8 * 16 * 2 * 64
-    if huge_pages.available():
-        assert t.data_ptr() % huge_pages.HUGE_PAGE == 0 and huge_kib_at(t[1, 0].data_ptr()) >= 2048
-    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
-    plain = lazy_zeros((4, 2, 64, 16, 2, 64), torch.bfloat16, huge=True)
-    plain[1, 0, :8].fill_(1)
-    if "[madvise]" in thp_setting():
-        assert huge_kib_at(plain[1, 0].data_ptr()) == 0
-    assert torch.equal(plain, t)
-
-
-def test_engine_kv_cache_is_in_huge_pages_and_generates_the_same(hf_models, monkeypatch):
-    path = hf_models["llama"][0]
-    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], list(range(10, 60)))]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm = LLM(path, dtype="bfloat16", max_num_seqs=4)
-    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    kv = llm.engine.runner.kv_caches
-    if huge_pages.available():
-        assert kv.data_ptr() % huge_pages.HUGE_PAGE == 0 and huge_kib_at(kv.data_ptr()) >= 2048
-    monkeypatch.setenv(HUGE_PAGES_ENV, "0")
-    plain = LLM(path, dtype="bfloat16", max_num_seqs=4)
     assert [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == got

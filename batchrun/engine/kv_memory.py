@@ -10,7 +10,6 @@ import torch
 
 from batchrun.engine.block_pool import blocks_needed
 from batchrun.models.attention import AttentionMetadata
-from batchrun.models import huge_pages
 from batchrun.models.loader import ModelError
 
 log = logging.getLogger("batchrun")
@@ -27,20 +26,11 @@ def available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = False) -> torch.Tensor:
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor in host memory that costs no RSS until written: an anonymous mmap (the kernel maps a
     page on first touch, zero-filled). torch.zeros would write, hence page in, every byte up front;
     torch.empty would leave whatever the allocator reused, and a never-written KV slot must read as a
-    finite number (attention multiplies masked positions by a zero probability).
-
-    huge: in transparent huge pages where the OS has them (models/huge_pages.py). A decode step's attention
-    reads each sequence's blocks from all over the cache, a 4 KiB page apart or more: in 4 KiB pages nearly
-    every block is a TLB miss (a nested page walk under a hypervisor). RSS then grows 2 MiB at a time in
-    each region the blocks fill in order (a layer's K or V), at most 2 MiB a region ahead of what is written."""
-    if huge:
-        slab = huge_pages.slab_or_none([shape], dtype)
-        if slab is not None:
-            return slab.take(shape)
+    finite number (attention multiplies masked positions by a zero probability)."""
     count = math.prod(shape)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     buf = mmap.mmap(-1, max(nbytes, 1))

@@ -140,7 +140,7 @@ class ModelRunner:
         shape = (info.num_layers, 2, self.num_blocks, self.block_size, attn.num_kv_heads,
                  row_width(self.kv_dtype, attn.head_dim))          # int8: each row's codes, then its scales
         if self.device.type == "cpu":
-            self.kv_caches = lazy_zeros(shape, self.kv_dtype, huge=True)   # paged in as blocks are first used
+            self.kv_caches = lazy_zeros(shape, self.kv_dtype)   # paged in as blocks are first used
         else:
             self.kv_caches = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         # host pool for swapped-out blocks: pinned on CUDA so copies run asynchronously. None of it on CPU

@@ -1,5 +1,4 @@
-"""Host memory in transparent huge pages, for the packed weights a CPU decode step streams (and the KV cache
-it reads: engine/kv_memory.py).
+"""Host memory in transparent huge pages, for the packed weights a CPU decode step streams.
 
 A decode step at a small batch reads every projection weight once, from DRAM. In 4 KiB pages each page of
 that stream is a new TLB entry, and the hardware prefetcher stops at every page boundary; in 2 MiB pages
@@ -88,5 +87,5 @@ def slab_or_none(shapes: list[tuple], dtype: torch.dtype) -> "Slab | None":
         global _warned
         if not _warned:
             _warned = True
-            log.warning("huge pages: no mapping (%s); ordinary pages instead", e)
+            log.warning("huge pages: no mapping for the packed weights (%s); ordinary pages instead", e)
         return None

@@ -39,9 +39,11 @@ alignas(64) const uint16_t kZeroRow[128] = {};  // the rows of a short tile past
 
 // How far ahead a decode item prefetches a bfloat16 cache's rows: 1 tile (the next one, as the kernel reads
 // the current one), or 2 (locate also prefetches the tile after the next). A tile's arithmetic takes about as
-// long as DRAM takes to answer under load, so one tile ahead leaves the loads waiting: two took a decode step's
-// attention from 0.76 to 0.66 ms at 64 x 300 keys (SmolLM2's heads, 30-layer caches, Zen 4), 1.01 to 0.76 ms
-// at 4 sequences of 1,000 keys (32/8 heads of 128), on a par at batch 1. Set by set_kv_prefetch (the bench).
+// long as DRAM takes to answer under load, so one tile ahead leaves the loads waiting. scripts/bench_kv_reads.py
+// (engine-shaped caches, 4 KiB pages, Zen 4): two tiles 0.87-0.91x the time at 64 sequences x 300 keys of
+// SmolLM2's heads, 0.89-0.94x at 4 x 1,000 keys of 32/8 heads of 128, 0.97-0.98x at 64 x 150 (8/2 heads),
+// and 1.05-1.08x at one sequence of 2,000 keys (the prefetches' own cost where one sequential stream is all
+// there is). Set by set_kv_prefetch (the bench).
 std::atomic<int64_t> kv_prefetch_tiles{2};
 
 // DT values of a quantized cache row as bfloat16 (see the top of this file)
