@@ -41,7 +41,7 @@ alignas(64) const uint16_t kZeroRow[128] = {};  // the rows of a short tile past
 // the current one), or 2 (locate also prefetches the tile after the next). A tile's arithmetic takes about as
 // long as DRAM takes to answer under load, so one tile ahead leaves the loads waiting. scripts/bench_kv_reads.py
 // (engine-shaped caches, 4 KiB pages, Zen 4): two tiles 0.87-0.91x the time at 64 sequences x 300 keys of
-// SmolLM2's heads, 0.89-0.94x at 4 x 1,000 keys of 32/8 heads of 128, 0.97-0.98x at 64 x 150 (8/2 heads),
+// SmolLM2's heads, 0.89-0.94x at 4 x 1,000 keys of 32/8 heads of 128, 0.98-1.05x at 64 x 150 (8/2 heads),
 // and 1.05-1.08x at one sequence of 2,000 keys (the prefetches' own cost where one sequential stream is all
 // there is). Set by set_kv_prefetch (the bench).
 std::atomic<int64_t> kv_prefetch_tiles{2};
