@@ -2,12 +2,12 @@
 holds them (every layer's K and V in one lazily paged tensor of --blocks blocks, each sequence's blocks
 scattered among twice as many), in 4 KiB pages (engine/kv_memory.py, the engine's) or transparent huge pages
 (a models/huge_pages.py slab), prefetching a bfloat16 cache one or two 16-key tiles ahead
-(cpu_attention.set_kv_prefetch). The four variants alternate
-rep by rep in one process (the order reversed every other rep); each prints its median ms per layer, the
-KV read rate, and its time as a share of the old default's (4 KiB pages, one tile ahead).
+(cpu_attention.set_kv_prefetch). The four variants alternate rep by rep in one process (the order reversed
+every other rep); each prints its median ms per layer, the KV read rate, and its time as a share of the old
+default's (4 KiB pages, one tile ahead).
 
-    python scripts/bench_kv_reads.py [--shapes 64x150:8/2/64,64x300:9/3/64,16x300:9/3/64,1x2000:9/3/64]
-                                     [--layers 8] [--reps 15]
+    python scripts/bench_kv_reads.py [--shapes 64x150:8/2/64,64x300:9/3/64,...] [--layers 8] [--blocks 8192]
+                                     [--reps 15]
 """
 from __future__ import annotations
 
